@@ -1,0 +1,169 @@
+"""Read torch.distributed.checkpoint (DCP) directories without unpickling arbitrary objects.
+
+DCP stores its `.metadata` as a pickle and loads non-tensor values (an optimizer's param_groups)
+with `torch.load(weights_only=False)`. A checkpoint directory is just files on shared storage,
+so this module reads both through restricted loaders: the metadata unpickler accepts only
+DCP's own metadata classes, and non-tensor values go through `torch.load(weights_only=True)`.
+Everything that reads a DCP directory in relay goes through here.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+
+METADATA_FILE = ".metadata"
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP `.metadata` file, refusing every class DCP itself does not put there."""
+
+    _ALLOWED = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("collections", "OrderedDict"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch.distributed.checkpoint.metadata" or (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(
+            f"DCP metadata refers to {module}.{name}, which a checkpoint's metadata never holds; "
+            "refusing to unpickle it"
+        )
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """A DCP FileSystemReader whose metadata is read with the restricted unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
+        with open(Path(self.path) / name, "rb") as stream:
+            metadata = _MetadataUnpickler(stream).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"{name} holds a {type(metadata).__name__}, not DCP Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that non-tensor values load with weights_only=True."""
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        obj = torch.load(value, weights_only=True)
+        fqn = read_item.dest_index.fqn
+        if self.flatten_state_dict:
+            _set_by_path(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+def _set_by_path(root: Any, path: tuple, value: Any) -> None:
+    """Assign `value` at the nested `path` (dict keys and list indices) inside `root`."""
+    node = root
+    for key in path[:-1]:
+        if isinstance(node, dict) and key not in node:
+            node[key] = {}
+        node = node[key]
+    node[path[-1]] = value
+
+
+def read_dcp_metadata(dcp_dir: str | os.PathLike) -> Metadata:
+    """Return the parsed `.metadata` of a DCP directory.
+
+    Raises FileNotFoundError if it is missing, pickle.UnpicklingError (or another exception) if
+    it is corrupt or refers to classes a DCP checkpoint never holds.
+    """
+    return SafeFileSystemReader(str(dcp_dir)).read_metadata()
+
+
+def read_dcp_tensor_shapes(dcp_dir: str | os.PathLike) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Return {key: (global shape, dtype)} of every tensor a DCP directory stores."""
+    metadata = read_dcp_metadata(dcp_dir)
+    return {
+        key: (entry.size, entry.properties.dtype)
+        for key, entry in metadata.state_dict_metadata.items()
+        if isinstance(entry, TensorStorageMetadata)
+    }
+
+
+def distributed_active(group: dist.ProcessGroup | None = None) -> bool:
+    """True when a process group is initialised, so DCP must run as a collective."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def load_dcp_in_place(
+    state_dict: dict[str, Any],
+    dcp_dir: str | os.PathLike,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Fill `state_dict` (tensors, DTensors and nested dicts/lists) in place from a DCP directory.
+
+    A collective when a process group is initialised: every rank of `process_group` must call it.
+    Raises whatever DCP raises for a missing key, a shape mismatch or an unreadable shard.
+    """
+    dcp.load(
+        state_dict,
+        storage_reader=SafeFileSystemReader(str(dcp_dir)),
+        planner=SafeLoadPlanner(),
+        process_group=process_group,
+        no_dist=not distributed_active(process_group),
+    )
+
+
+def read_dcp_state_dict(dcp_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Read every tensor of a DCP directory into one plain, full, CPU state dict.
+
+    For export and offline inspection: this process reads all shards, whatever the number of
+    ranks that wrote them, and needs no process group. Non-tensor entries are skipped: a
+    model's state dict has none.
+    """
+    shapes = read_dcp_tensor_shapes(dcp_dir)
+    state = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in shapes.items()}
+    dcp.load(
+        state,
+        storage_reader=SafeFileSystemReader(str(dcp_dir)),
+        planner=SafeLoadPlanner(),
+        no_dist=True,
+    )
+    return state
+
+
+def iter_tensor_leaves(state: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (DCP key, tensor) for every tensor in a nested state dict.
+
+    Keys join dict keys and list indices with "." as DCP's flattening does, so they compare
+    directly with `read_dcp_tensor_shapes`.
+    """
+    if isinstance(state, torch.Tensor):
+        yield prefix, state
+    elif isinstance(state, Mapping):
+        for key, value in state.items():
+            yield from iter_tensor_leaves(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(state, (list, tuple)):
+        for index, value in enumerate(state):
+            yield from iter_tensor_leaves(value, f"{prefix}.{index}" if prefix else str(index))

@@ -1,0 +1,220 @@
+"""Using a trained checkpoint: load it for sampling, write videos, score it, export it.
+
+Everything here reads a checkpoint the trainer wrote (a checkpoint-N/ directory, or an
+output_dir meaning its newest complete checkpoint) together with the resolved config saved
+inside it, so the model is rebuilt exactly as trained. This backs `relay sample`, `relay eval`,
+`relay export` and the trainer's validation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from trainer import checkpoint as ckpt
+from trainer.args import ResolvedArgs, model_config
+
+
+class InferenceError(Exception):
+    """A checkpoint or request that cannot be sampled; the message says what to fix."""
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    model: nn.Module
+    args: ResolvedArgs
+    text_encoder: object
+    checkpoint: Path
+    weights: str
+    latent_shape: tuple[int, int, int, int]  # [C, T, H, W] of one sample
+
+    @property
+    def step(self) -> int:
+        return int(self.checkpoint.name.split("-")[-1])
+
+
+def resolve_checkpoint_dir(path: str | Path) -> Path:
+    """A checkpoint-N/ directory as given, or an output_dir's newest complete checkpoint."""
+    path = Path(path)
+    if not path.exists():
+        raise InferenceError(f"{path} does not exist. Pass a checkpoint-N/ directory or a run's "
+                             f"output_dir.")
+    if (path / "COMPLETE").is_file():
+        return path
+    found = ckpt.list_checkpoints(path)
+    if not found:
+        raise InferenceError(f"{path} holds no complete checkpoint (checkpoint-N/ with a "
+                             f"COMPLETE marker). Train longer or point at another run.")
+    return found[-1]
+
+
+def _checkpoint_args(checkpoint: Path) -> ResolvedArgs:
+    for candidate in (checkpoint / "resolved-config.json",
+                      checkpoint.parent / "resolved-config.json"):
+        if candidate.is_file():
+            return ResolvedArgs(json.loads(candidate.read_text()))
+    raise InferenceError(f"no resolved-config.json in {checkpoint} or its run directory; "
+                         f"relay cannot rebuild the model it was trained with.")
+
+
+def _members(checkpoint: Path) -> list[str]:
+    return list(json.loads((checkpoint / "COMPLETE").read_text()).get("members", []))
+
+
+def load_model_for_inference(path: str | Path, weights: str = "auto",
+                             device: torch.device | str = "cpu") -> LoadedModel:
+    """Rebuild and load the model of a checkpoint. weights: auto (EMA if saved), ema, live."""
+    from trainer.stages import build_model, build_text_encoder
+
+    checkpoint = resolve_checkpoint_dir(path)
+    args = _checkpoint_args(checkpoint)
+    members = _members(checkpoint)
+    if weights == "auto":
+        weights = "ema" if "ema" in members else "live"
+    if weights == "ema" and "ema" not in members:
+        raise InferenceError(f"{checkpoint} has no EMA weights (members: {', '.join(members)}). "
+                             f"Use --weights live.")
+    model = build_model(args, torch.device(device))
+    try:
+        ckpt.load_warm_start(checkpoint, model, weights=weights)
+    except ckpt.CheckpointError as exc:
+        raise InferenceError(str(exc)) from None
+    model.eval()
+    return LoadedModel(model=model, args=args, text_encoder=build_text_encoder(args),
+                       checkpoint=checkpoint, weights=weights,
+                       latent_shape=_latent_shape(args))
+
+
+def _latent_shape(args: ResolvedArgs) -> tuple[int, int, int, int]:
+    channels = model_config(args)["in_channels"]
+    if args.synthetic_data:
+        return (channels, args.synthetic_num_frames, args.synthetic_height, args.synthetic_width)
+    from trainer.data import ParquetLatentDataset, resolve_data_paths
+
+    try:
+        shape = ParquetLatentDataset(resolve_data_paths(args.data_path)).latent_shape
+    except Exception as exc:  # the training data may live on another machine
+        raise InferenceError(f"cannot read the latent shape from the training data "
+                             f"{args.data_path}: {exc}") from None
+    return tuple(int(s) for s in shape)
+
+
+def generate(loaded: LoadedModel, prompts: list[str], *, steps: int, guidance: float,
+             seed: int, first_frame: torch.Tensor | None = None) -> torch.Tensor:
+    """Latents [B, C, T, H, W] for the prompts, with the sampler of the checkpoint's stage."""
+    from trainer.sampling import sample_fm
+
+    if steps < 1:
+        raise InferenceError(f"--steps must be at least 1, got {steps}.")
+    device = next(loaded.model.parameters()).device
+    text, mask = loaded.text_encoder.encode(list(prompts))
+    null_text, null_mask = loaded.text_encoder.null_embedding()
+    generator = torch.Generator().manual_seed(seed)
+    shape = (len(prompts), *loaded.latent_shape)
+    return sample_fm(loaded.model, text.to(device), mask.to(device), null_text.to(device),
+                     null_mask.to(device), shape=shape, steps=steps, guidance=guidance,
+                     shift=loaded.args.train_timestep_shift, generator=generator,
+                     first_frame=first_frame)
+
+
+# ---- files a user looks at ----------------------------------------------------------------
+
+def _upscale(frames: np.ndarray, min_side: int = 128) -> np.ndarray:
+    factor = max(1, min_side // max(1, min(frames.shape[1:3])))
+    return frames.repeat(factor, axis=1).repeat(factor, axis=2)
+
+
+def write_clip_files(frames: np.ndarray, out_dir: Path, fps: float = 8.0) -> dict[str, Path]:
+    """Write sample.mp4 (or sample.gif), frames.png (contact sheet) and frames.npy."""
+    from PIL import Image
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"frames": out_dir / "frames.npy"}
+    np.save(paths["frames"], frames)
+    big = _upscale(frames)
+    sheet = np.concatenate(list(big), axis=1)
+    paths["contact_sheet"] = out_dir / "frames.png"
+    Image.fromarray(sheet).save(paths["contact_sheet"])
+    try:
+        import imageio.v2 as imageio
+
+        video = out_dir / "sample.mp4"
+        imageio.mimwrite(video, list(_even(big)), fps=fps, macro_block_size=1)
+    except Exception:  # no ffmpeg here: a GIF needs nothing beyond Pillow
+        video = out_dir / "sample.gif"
+        images = [Image.fromarray(f) for f in big]
+        images[0].save(video, save_all=True, append_images=images[1:],
+                       duration=int(1000 / fps), loop=0)
+    paths["video"] = video
+    return paths
+
+
+def _even(frames: np.ndarray) -> np.ndarray:
+    h, w = frames.shape[1] // 2 * 2, frames.shape[2] // 2 * 2
+    return frames[:, :h, :w]
+
+
+def _load_first_frame(path: str, loaded: LoadedModel) -> torch.Tensor:
+    from PIL import Image
+
+    c, _, h, w = loaded.latent_shape
+    try:
+        image = Image.open(path).convert("RGB").resize((w, h), Image.NEAREST)
+    except (OSError, ValueError) as exc:
+        raise InferenceError(f"cannot read --first-frame {path}: {exc}") from None
+    pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 127.5 - 1.0)
+    return pixels.permute(2, 0, 1)[:c, None][None]  # [1, C, 1, H, W]
+
+
+def sample_to_dir(checkpoint: str, prompt: str, *, out_dir: str, steps: int, guidance: float,
+                  seed: int, weights: str = "auto", first_frame: str | None = None) -> dict:
+    """`relay sample`: one clip for one prompt, written as video, contact sheet and frames."""
+    from trainer.evaluate import latents_to_frames
+
+    loaded = load_model_for_inference(checkpoint, weights)
+    cond = _load_first_frame(first_frame, loaded) if first_frame else None
+    latents = generate(loaded, [prompt], steps=steps, guidance=guidance, seed=seed,
+                       first_frame=cond)
+    paths = write_clip_files(latents_to_frames(latents[0]), Path(out_dir))
+    return {k: str(v) for k, v in paths.items()}
+
+
+def evaluate_loaded(loaded: LoadedModel, *, steps: int, guidance: float, seed: int,
+                    captions=None) -> dict:
+    """Sample the fixed caption set and score colour and direction from the pixels."""
+    from trainer.evaluate import EVAL_CAPTIONS, latents_to_frames, score_clips
+
+    captions = list(captions or EVAL_CAPTIONS)
+    latents = generate(loaded, captions, steps=steps, guidance=guidance, seed=seed)
+    report = score_clips([latents_to_frames(x) for x in latents], captions)
+    report.update({"checkpoint": str(loaded.checkpoint), "weights": loaded.weights,
+                   "steps": steps, "guidance": guidance, "seed": seed, "step": loaded.step})
+    return report
+
+
+def evaluate_checkpoint(checkpoint: str, *, steps: int, guidance: float, seed: int,
+                        weights: str = "auto", out: str | None = None) -> dict:
+    """`relay eval`: score a checkpoint and write eval.json (default: in its run directory)."""
+    loaded = load_model_for_inference(checkpoint, weights)
+    report = evaluate_loaded(loaded, steps=steps, guidance=guidance, seed=seed)
+    path = Path(out) if out else loaded.checkpoint.parent / "eval.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    report["path"] = str(path)
+    return report
+
+
+def export_checkpoint(path: str, out: str, weights: str = "auto") -> Path:
+    """`relay export`: model.safetensors plus model_config.json beside it."""
+    checkpoint = resolve_checkpoint_dir(path)
+    args = _checkpoint_args(checkpoint)
+    members = _members(checkpoint)
+    if weights == "auto":
+        weights = "ema" if "ema" in members else "live"
+    return ckpt.export_weights(checkpoint, out, weights=weights,
+                               model_config=model_config(args))

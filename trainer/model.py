@@ -1,0 +1,666 @@
+"""The video diffusion transformer (DiT) that every stage trains.
+
+Input latents x [B, C, T, H, W] are cut into (pt, ph, pw) patches, one token per patch, frame
+major. Each block is pre-norm self-attention + MLP with adaLN-Zero modulation (shift, scale,
+gate for each half) from the timestep embedding; queries and keys get RMSNorm (qk-norm) and
+3-D RoPE by the patch's (frame, row, col). A final adaLN + linear head maps tokens back to
+patches: the output is [B, C_out, T, H, W] (the velocity, ALGORITHMS.md §1.1).
+
+Text conditioning is joint attention: the caption's hidden states are projected to the hidden
+size and their keys/values sit in front of the video's in every block. Text tokens go through
+the same block weights with a plain (unmodulated) norm and attend only to text. So the text
+stream is a function of the caption alone, never of the video or of the timestep: its K/V can
+be computed once per caption and reused for every chunk and every denoising step of a causal
+rollout, and the same code path serves full forwards and cached ones. (Modulating text by the
+timestep would tie its K/V to t, and per-frame times in causal stages would leave no single t
+to use.) Text tokens get no RoPE; RoPE at position 0 is the identity, so this is the same as
+giving them position 0.
+
+Attention runs in two calls per block, text over text and video over [text | video], instead of
+one call with a joint mask. The video call then needs no mask at all in the bidirectional case
+without padded text (so mask-less kernels such as FlashAttention apply), and under context
+parallelism the text stream can stay replicated while video tokens are split.
+
+Modes: bidirectional (`causal_chunk_size=None`, or `forward(..., causal=False)`), block-causal
+over chunks of `causal_chunk_size` latent frames (optionally a sliding window of
+`attn_window_chunks` earlier chunks), teacher forcing (`forward_teacher_forcing`), and a KV
+cache for chunk-by-chunk rollout (`new_kv_cache`, `forward_chunk`, `commit_chunk`). See
+docs/model.md.
+
+Timesteps are raw (N * sigma, 0..1000). A timestep is per sample [B] or per latent frame
+[B, T]; per-frame times are embedded per patch-frame (the first latent frame of each) and the
+resulting modulation is looked up per token by its frame, never by list position, so token
+sequences can later be split across ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import functools
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from trainer.attention import attention, block_causal_mask, known_backends, teacher_forcing_mask
+
+__all__ = ["DiTConfig", "MODEL_CONFIG_DEFAULTS", "KVCache", "VideoDiT", "timestep_features"]
+
+TIME_FREQ_DIM = 256  # width of the sinusoidal timestep features fed to the time MLPs
+
+
+# --------------------------------------------------------------------------------------------
+# config
+
+
+@dataclass
+class DiTConfig:
+    """Every constructor argument of VideoDiT, validated; `to_dict()` rebuilds the model."""
+
+    in_channels: int = 3
+    out_channels: int | None = None  # None = in_channels
+    hidden_size: int = 96
+    num_attention_heads: int = 4
+    num_layers: int = 4
+    mlp_ratio: float = 4.0
+    patch_size: tuple[int, int, int] = (1, 4, 4)  # (t, h, w)
+    rope_axes_dim: tuple[int, int, int] = (8, 8, 8)  # (frame, row, col); sums to head_dim
+    rope_theta: float = 10000.0
+    text_dim: int = 32
+    qk_norm: bool = True
+    causal_chunk_size: int | None = None  # latent frames per chunk; None = bidirectional
+    attn_window_chunks: int | None = None  # earlier chunks a chunk may see; None = all
+    two_time: bool = False
+    time_gate: float = 0.25
+    attention_backend: str = "sdpa"
+    zero_init_modulation: bool = True
+
+    def __post_init__(self) -> None:
+        self.patch_size = _int_triple("patch_size", self.patch_size)
+        self.rope_axes_dim = _int_triple("rope_axes_dim", self.rope_axes_dim, low=0)
+        for name in ("in_channels", "hidden_size", "num_attention_heads", "num_layers", "text_dim"):
+            _require_int(name, getattr(self, name), low=1)
+        if self.out_channels is not None:
+            _require_int("out_channels", self.out_channels, low=1)
+        for name in ("mlp_ratio", "rope_theta"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float)) \
+                    or getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive number, got {getattr(self, name)!r}")
+        for name in ("qk_norm", "two_time", "zero_init_modulation"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+        head_dim = self.hidden_size // self.num_attention_heads
+        if sum(self.rope_axes_dim) != head_dim or any(d % 2 for d in self.rope_axes_dim):
+            raise ValueError(
+                f"rope_axes_dim {list(self.rope_axes_dim)} must be even numbers summing to the head "
+                f"dim hidden_size / num_attention_heads = {head_dim}"
+            )
+        if self.causal_chunk_size is not None:
+            _require_int("causal_chunk_size", self.causal_chunk_size, low=1)
+            if self.causal_chunk_size % self.patch_size[0]:
+                raise ValueError(
+                    f"causal_chunk_size ({self.causal_chunk_size} latent frames) must be a multiple "
+                    f"of the temporal patch size {self.patch_size[0]}: chunks are whole patch-frames"
+                )
+        if self.attn_window_chunks is not None:
+            _require_int("attn_window_chunks", self.attn_window_chunks, low=0)
+            if self.causal_chunk_size is None:
+                raise ValueError("attn_window_chunks needs causal_chunk_size: the window counts chunks")
+        if isinstance(self.time_gate, bool) or not isinstance(self.time_gate, (int, float)) \
+                or not 0.0 <= self.time_gate <= 1.0:
+            raise ValueError(f"time_gate must be a number in [0, 1], got {self.time_gate!r}")
+        if self.attention_backend not in known_backends():
+            raise ValueError(
+                f"attention_backend {self.attention_backend!r} is unknown; known: "
+                f"{', '.join(known_backends())}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def output_channels(self) -> int:
+        return self.in_channels if self.out_channels is None else self.out_channels
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any], where: str = "VideoDiT") -> "DiTConfig":
+        """The config for these keyword arguments.
+
+        Raises ValueError naming the closest valid key for an unknown key, or saying why a value
+        is invalid.
+        """
+        valid = [f.name for f in fields(cls)]
+        for key in kwargs:
+            if key not in valid:
+                close = difflib.get_close_matches(key, valid, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(valid)}"
+                raise ValueError(f"unknown {where} key {key!r}{hint}")
+        return cls(**kwargs)
+
+    @classmethod
+    def from_overrides(cls, overrides: dict[str, Any] | None, zero_init_modulation: bool = True) -> "DiTConfig":
+        """The config for a `transformer_config_overrides` mapping plus the top-level switch.
+
+        Raises ValueError for an unknown key (naming the closest valid one), for
+        zero_init_modulation inside the overrides (it is a top-level setting), or an invalid value.
+        """
+        overrides = dict(overrides or {})
+        if "zero_init_modulation" in overrides:
+            raise ValueError(
+                "zero_init_modulation is a top-level setting, not a transformer_config_overrides key"
+            )
+        return cls.from_kwargs({**overrides, "zero_init_modulation": zero_init_modulation},
+                               where="transformer_config_overrides")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable dict (tuples as lists); `VideoDiT(**d)` rebuilds the same model."""
+        d = asdict(self)
+        d["patch_size"] = list(self.patch_size)
+        d["rope_axes_dim"] = list(self.rope_axes_dim)
+        return d
+
+
+def _require_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _int_triple(name: str, value: Any, low: int = 1) -> tuple[int, int, int]:
+    if isinstance(value, int) or len(value) != 3:
+        raise ValueError(f"{name} must be three integers (t, h, w), got {value!r}")
+    for item in value:
+        _require_int(name, item, low)
+    return tuple(int(v) for v in value)
+
+
+MODEL_CONFIG_DEFAULTS: dict[str, Any] = DiTConfig().to_dict()
+
+
+# --------------------------------------------------------------------------------------------
+# building blocks
+
+
+def timestep_features(t: torch.Tensor, dim: int = TIME_FREQ_DIM) -> torch.Tensor:
+    """Sinusoidal features [..., dim] (cos half, then sin half) of raw timesteps t [...].
+
+    Computed in float64 for float64 input and float32 otherwise: raw times up to 1000 lose
+    their low bits in bf16.
+    """
+    work = torch.float64 if t.dtype == torch.float64 else torch.float32
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device, dtype=work) / half)
+    args = t.to(work)[..., None] * freqs
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+class TimestepEmbedder(nn.Module):
+    """MLP from sinusoidal timestep features to the conditioning vector: [..., D]."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(TIME_FREQ_DIM, hidden_size)
+        self.linear_2 = nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        feats = timestep_features(t).to(self.linear_1.weight.dtype)
+        return self.linear_2(F.silu(self.linear_1(feats)))
+
+
+def rope_cos_sin(positions: torch.Tensor, axes_dim: tuple[int, int, int], theta: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, head_dim / 2] for integer grid positions [N, 3] (frame, row, col).
+
+    Each axis owns axes_dim[a] channels of the head, i.e. axes_dim[a] / 2 rotation pairs.
+    """
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    angles = []
+    for axis, dim in enumerate(axes_dim):
+        if dim == 0:
+            continue
+        inv_freq = theta ** (-torch.arange(0, dim, 2, device=positions.device, dtype=work) / dim)
+        angles.append(positions[:, axis, None].to(work) * inv_freq)
+    angle = torch.cat(angles, dim=-1)
+    return angle.cos().to(dtype), angle.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates consecutive channel pairs of x [B, heads, N, head_dim] by per-token angles."""
+    pairs = x.unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
+    return rotated.flatten(-2)
+
+
+def grid_positions(num_frames: int, rows: int, cols: int, frame_start: int,
+                   device: torch.device | None = None) -> torch.Tensor:
+    """(frame, row, col) of each token of a frame-major patch grid: long [F * rows * cols, 3]."""
+    f = torch.arange(frame_start, frame_start + num_frames, device=device)
+    r = torch.arange(rows, device=device)
+    c = torch.arange(cols, device=device)
+    grid = torch.stack(torch.meshgrid(f, r, c, indexing="ij"), dim=-1)
+    return grid.reshape(-1, 3)
+
+
+class DiTBlock(nn.Module):
+    """Pre-norm attention + MLP block; video tokens modulated (adaLN-Zero), text tokens not."""
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        d = cfg.hidden_size
+        self.cfg = cfg  # shared with the model, so a changed attention_backend applies at once
+        self.num_heads = cfg.num_attention_heads
+        self.norm1 = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=1e-6) if cfg.qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=1e-6) if cfg.qk_norm else nn.Identity()
+        self.proj = nn.Linear(d, d)
+        self.norm2 = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        hidden = int(d * cfg.mlp_ratio)
+        self.mlp = nn.Sequential(nn.Linear(d, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, d))
+        # SiLU(conditioning) -> shift, scale, gate for attention, then for the MLP
+        self.modulation = nn.Linear(d, 6 * d)
+
+    def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = self.qkv(h).unflatten(-1, (3, self.num_heads, -1)).unbind(dim=-3)
+        q, k = self.q_norm(q), self.k_norm(k)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def _merge(self, o: torch.Tensor) -> torch.Tensor:
+        return self.proj(o.transpose(1, 2).flatten(-2))
+
+    def forward_text(self, txt: torch.Tensor, mask: torch.Tensor | None, need_output: bool = True):
+        """Text stream: (updated text or None, k, v); k, v [B, heads, L, head_dim].
+
+        need_output=False skips the residual updates, for the last block whose text output
+        nobody reads.
+        """
+        q, k, v = self._qkv(self.norm1(txt))
+        if not need_output:
+            return None, k, v
+        txt = txt + self._merge(attention(q, k, v, mask, self.cfg.attention_backend))
+        txt = txt + self.mlp(self.norm2(txt))
+        return txt, k, v
+
+    def forward_video(self, vid: torch.Tensor, mod: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      prefix_k: torch.Tensor, prefix_v: torch.Tensor, mask: torch.Tensor | None):
+        """Video stream over keys [prefix | own video]: (updated video, k, v) with RoPE'd k."""
+        shift1, scale1, gate1, shift2, scale2, gate2 = mod.chunk(6, dim=-1)
+        q, k, v = self._qkv(self.norm1(vid) * (1 + scale1) + shift1)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys = torch.cat([prefix_k, k], dim=2)
+        values = torch.cat([prefix_v, v], dim=2)
+        vid = vid + gate1 * self._merge(attention(q, keys, values, mask, self.cfg.attention_backend))
+        vid = vid + gate2 * self.mlp(self.norm2(vid) * (1 + scale2) + shift2)
+        return vid, k, v
+
+
+# --------------------------------------------------------------------------------------------
+# KV cache
+
+
+@dataclass
+class KVCache:
+    """Keys/values a causal rollout reuses: the caption's, and those of committed chunks.
+
+    text_kv[layer] = (k, v) [B, heads, L, head_dim]; chunks[i][layer] = (k, v) of the i-th kept
+    committed chunk (oldest first, detached, RoPE applied at absolute positions); next_frame is
+    the latent frame where the next chunk starts. Built by VideoDiT.new_kv_cache.
+    """
+
+    text_kv: list[tuple[torch.Tensor, torch.Tensor]]
+    text_mask: torch.Tensor | None
+    chunks: list[list[tuple[torch.Tensor, torch.Tensor]]]
+    next_frame: int = 0
+
+    def prefix(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, heads, L + committed tokens, head_dim] in front of a new chunk."""
+        ks = [self.text_kv[layer][0]] + [c[layer][0] for c in self.chunks]
+        vs = [self.text_kv[layer][1]] + [c[layer][1] for c in self.chunks]
+        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+
+
+@functools.lru_cache(maxsize=64)
+def _video_rows_mask(kind: str, num_frames: int, tokens_per_frame: int, chunk_size: int,
+                     num_prefix: int, window: int | None, device: torch.device) -> torch.Tensor:
+    build = block_causal_mask if kind == "causal" else teacher_forcing_mask
+    full = build(num_frames, tokens_per_frame, chunk_size, num_prefix, window)
+    # text rows are served by the separate text-only attention call
+    return full[num_prefix:].to(device)
+
+
+# --------------------------------------------------------------------------------------------
+# the model
+
+
+class VideoDiT(nn.Module):
+    """Video DiT; keyword arguments are the fields of DiTConfig (see its defaults).
+
+    Raises ValueError for an unknown argument (naming the closest valid one) or an invalid value.
+    """
+
+    def __init__(self, **kwargs: Any):
+        super().__init__()
+        cfg = DiTConfig.from_kwargs(kwargs)
+        self.cfg = cfg
+        d = cfg.hidden_size
+        patch_volume = math.prod(cfg.patch_size)
+        self.patch_embed = nn.Linear(cfg.in_channels * patch_volume, d)
+        self.text_embedder = nn.Sequential(nn.Linear(cfg.text_dim, d), nn.GELU(approximate="tanh"),
+                                           nn.Linear(d, d))
+        self.time_embedder = TimestepEmbedder(d)
+        self.blocks = nn.ModuleList(DiTBlock(cfg) for _ in range(cfg.num_layers))
+        self.final_norm = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.final_modulation = nn.Linear(d, 2 * d)
+        self.head = nn.Linear(d, cfg.output_channels * patch_volume)
+        # A non-persistent buffer: follows .to(), stays out of the state dict, so a two-time
+        # model's keys are exactly the single-time keys plus `r_embedder.*`.
+        self.register_buffer("time_gate", torch.tensor(float(cfg.time_gate)), persistent=False)
+        self._init_weights()
+        self.r_embedder: TimestepEmbedder | None = None
+        if cfg.two_time:
+            self.r_embedder = copy.deepcopy(self.time_embedder)
+
+    def _init_weights(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+        for layer in (self.time_embedder.linear_1, self.time_embedder.linear_2):
+            nn.init.normal_(layer.weight, std=0.02)
+        if self.cfg.zero_init_modulation:
+            # adaLN-Zero: every block starts as the identity on video tokens and the output is 0
+            zero = [b.modulation for b in self.blocks] + [self.final_modulation, self.head]
+            for layer in zero:
+                nn.init.zeros_(layer.weight)
+                nn.init.zeros_(layer.bias)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The full constructor arguments as a JSON-serialisable dict (for checkpoints)."""
+        return self.cfg.to_dict()
+
+    def enable_two_time(self, gate: float = 0.25) -> None:
+        """Adds E_r = deep copy of E_t (ALGORITHMS.md §6.1), so e(t, t) = E_t(t) right after.
+
+        Call after loading the flow-matching weights. Raises RuntimeError if already two-time,
+        ValueError for a gate outside [0, 1].
+        """
+        if self.r_embedder is not None:
+            raise RuntimeError("two-time conditioning is already enabled; r_embedder would be overwritten")
+        if not 0.0 <= gate <= 1.0:
+            raise ValueError(f"gate must be in [0, 1], got {gate!r}")
+        self.r_embedder = copy.deepcopy(self.time_embedder)
+        self.time_gate.fill_(float(gate))
+        self.cfg.two_time = True
+        self.cfg.time_gate = float(gate)
+
+    # ---- shapes and inputs -----------------------------------------------------------------
+
+    def _check_video(self, x: torch.Tensor, name: str) -> tuple[int, int, int, int]:
+        cfg = self.cfg
+        if x.ndim != 5 or x.shape[1] != cfg.in_channels:
+            raise ValueError(f"{name} must be [B, {cfg.in_channels}, T, H, W], got {list(x.shape)}")
+        b, _, t, h, w = x.shape
+        for size, patch, axis in zip((t, h, w), cfg.patch_size, "THW"):
+            if size % patch:
+                raise ValueError(f"{name}: {axis}={size} is not a multiple of the patch size {patch}")
+        return b, t, h, w
+
+    def _patchify(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, t, h, w = x.shape
+        pt, ph, pw = self.cfg.patch_size
+        x = x.reshape(b, c, t // pt, pt, h // ph, ph, w // pw, pw)
+        x = x.permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(b, -1, c * pt * ph * pw)
+        return self.patch_embed(x)
+
+    def _unpatchify(self, tokens: torch.Tensor, t: int, h: int, w: int) -> torch.Tensor:
+        b = tokens.shape[0]
+        pt, ph, pw = self.cfg.patch_size
+        c = self.cfg.output_channels
+        x = tokens.reshape(b, t // pt, h // ph, w // pw, c, pt, ph, pw)
+        return x.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(b, c, t, h, w)
+
+    def _frame_times(self, value: Any, batch: int, frames: int, name: str, device) -> torch.Tensor:
+        """Times per patch-frame: [B, 1] for per-sample input, [B, T / pt] for per-frame input."""
+        t = torch.as_tensor(value, device=device)
+        if t.ndim == 0:
+            t = t.expand(batch)
+        if t.ndim == 1 and t.shape[0] == batch:
+            return t[:, None]
+        if t.ndim == 2 and tuple(t.shape) == (batch, frames):
+            return t[:, :: self.cfg.patch_size[0]]
+        raise ValueError(f"{name} must be a scalar, [B]={[batch]} or [B, T]={[batch, frames]}, "
+                         f"got {list(t.shape)}")
+
+    def _embed_time(self, t: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+        e = self.time_embedder(t)
+        if self.r_embedder is None:
+            return e
+        e_r = self.r_embedder(t if r is None else r)
+        # e + g (e_r - e) rather than (1 - g) e + g e_r: identical in exact arithmetic, and exactly
+        # E_t(t) in floating point when E_r = E_t and r = t (or when g = 0)
+        return e + self.time_gate.to(e.dtype) * (e_r - e)
+
+    def _conditioning(self, t: Any, r: Any, batch: int, frames: int, device) -> torch.Tensor:
+        """Conditioning per patch-frame slot: [B, 1, D] or [B, T / pt, D]."""
+        if r is not None and self.r_embedder is None:
+            raise ValueError("r was given but the model is single-time; call enable_two_time() "
+                             "or build it with two_time=True")
+        t_f = self._frame_times(t, batch, frames, "t", device)
+        r_f = None if r is None else self._frame_times(r, batch, frames, "r", device)
+        if r_f is not None and r_f.shape[1] != t_f.shape[1]:
+            width = max(t_f.shape[1], r_f.shape[1])
+            t_f, r_f = t_f.expand(batch, width), r_f.expand(batch, width)
+        return self._embed_time(t_f, r_f)
+
+    def _check_text(self, text: torch.Tensor, text_mask: torch.Tensor | None, batch: int) -> None:
+        if text.ndim != 3 or text.shape[0] != batch or text.shape[2] != self.cfg.text_dim:
+            raise ValueError(f"text must be [B={batch}, L, {self.cfg.text_dim}], got {list(text.shape)}")
+        if text_mask is not None and (text_mask.dtype != torch.bool or text_mask.shape != text.shape[:2]):
+            raise ValueError(f"text_mask must be bool [B, L]={list(text.shape[:2])}, "
+                             f"got {text_mask.dtype} {list(text_mask.shape)}")
+
+    # ---- the two streams -------------------------------------------------------------------
+
+    def _text_kv(self, text: torch.Tensor, text_mask: torch.Tensor | None):
+        """Per-layer (k, v) of the caption, computed from the caption alone."""
+        txt = self.text_embedder(text)
+        mask = None
+        if text_mask is not None:
+            # padded text queries keep their own key so no softmax row is empty
+            eye = torch.eye(text.shape[1], dtype=torch.bool, device=text.device)
+            mask = (text_mask[:, None, None, :] | eye)
+        kv = []
+        for i, block in enumerate(self.blocks):
+            txt, k, v = block.forward_text(txt, mask, need_output=i + 1 < len(self.blocks))
+            kv.append((k, v))
+        return kv
+
+    @staticmethod
+    def _key_mask(rows: torch.Tensor | None, text_mask: torch.Tensor | None, num_keys: int):
+        """Combines a structural [Nq, Nk] mask with text key padding: None, [Nq, Nk] or [B,1,Nq,Nk]."""
+        if text_mask is None:
+            return rows
+        b, length = text_mask.shape
+        pad = torch.ones(b, num_keys - length, dtype=torch.bool, device=text_mask.device)
+        keys = torch.cat([text_mask, pad], dim=1)[:, None, None, :]
+        return keys if rows is None else rows & keys
+
+    def _run_video(self, vid, cond, slot_of_token, positions, prefix_kv, mask, collect_kv=False):
+        """Runs the video stream; returns (head output tokens, per-layer (k, v) if collect_kv)."""
+        cos, sin = rope_cos_sin(positions, self.cfg.rope_axes_dim, self.cfg.rope_theta, vid.dtype)
+        cond = F.silu(cond)
+        collected = []
+        for block, (pk, pv) in zip(self.blocks, prefix_kv):
+            mod = block.modulation(cond)
+            if slot_of_token is not None:
+                mod = mod[:, slot_of_token]
+            vid, k, v = block.forward_video(vid, mod, cos, sin, pk, pv, mask)
+            if collect_kv:
+                collected.append((k.detach(), v.detach()))
+        final = self.final_modulation(cond)
+        if slot_of_token is not None:
+            final = final[:, slot_of_token]
+        shift, scale = final.chunk(2, dim=-1)
+        return self.head(self.final_norm(vid) * (1 + scale) + shift), collected
+
+    @staticmethod
+    def _frame_slots(cond: torch.Tensor, frames: int, tokens_per_frame: int, device) -> torch.Tensor | None:
+        if cond.shape[1] == 1:
+            return None
+        return torch.arange(frames, device=device).repeat_interleave(tokens_per_frame)
+
+    def _chunk_frames(self) -> int:
+        """Chunk size in patch-frames; raises ValueError when the model has no chunks."""
+        if self.cfg.causal_chunk_size is None:
+            raise ValueError("this needs a causal model: set causal_chunk_size in the model config")
+        return self.cfg.causal_chunk_size // self.cfg.patch_size[0]
+
+    # ---- public forwards -------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, t: Any, text: torch.Tensor, text_mask: torch.Tensor | None = None,
+                r: Any = None, causal: bool | None = None) -> torch.Tensor:
+        """Prediction [B, C_out, T, H, W] for latents x [B, C, T, H, W].
+
+        t, r: raw times, scalar, [B] or [B, T] (r only for two-time models; None = t). text:
+        [B, L, text_dim], text_mask: bool [B, L] (True = real token). causal: None follows the
+        config (block-causal when causal_chunk_size is set), False forces bidirectional.
+        Raises ValueError for mismatched shapes, r on a single-time model, or causal=True
+        without causal_chunk_size.
+        """
+        b, frames, h, w = self._check_video(x, "x")
+        self._check_text(text, text_mask, b)
+        pt, ph, pw = self.cfg.patch_size
+        grid = (frames // pt, h // ph, w // pw)
+        tokens_per_frame = grid[1] * grid[2]
+        if causal is None:
+            causal = self.cfg.causal_chunk_size is not None
+        rows = None
+        if causal:
+            rows = _video_rows_mask("causal", grid[0], tokens_per_frame, self._chunk_frames(),
+                                    text.shape[1], self.cfg.attn_window_chunks, x.device)
+        cond = self._conditioning(t, r, b, frames, x.device)
+        vid = self._patchify(x)
+        mask = self._key_mask(rows, text_mask, text.shape[1] + vid.shape[1])
+        out, _ = self._run_video(vid, cond, self._frame_slots(cond, grid[0], tokens_per_frame, x.device),
+                                 grid_positions(*grid, 0, x.device), self._text_kv(text, text_mask), mask)
+        return self._unpatchify(out, frames, h, w)
+
+    def forward_teacher_forcing(self, noisy: torch.Tensor, clean: torch.Tensor, t: Any, text: torch.Tensor,
+                                text_mask: torch.Tensor | None = None, r: Any = None,
+                                return_clean: bool = False):
+        """Teacher-forcing forward over [text | clean | noisy] (ALGORITHMS.md §5).
+
+        Noisy chunk i sees its own noisy chunk and clean chunks before i (within the window);
+        the clean half runs at t = 0 (and r = 0) with the same RoPE positions as the noisy half.
+        Returns the noisy-half prediction [B, C_out, T, H, W], or (noisy, clean) predictions when
+        return_clean. Raises ValueError for a non-causal model or mismatched shapes.
+        """
+        chunk = self._chunk_frames()
+        b, frames, h, w = self._check_video(noisy, "noisy")
+        if clean.shape != noisy.shape:
+            raise ValueError(f"clean {list(clean.shape)} and noisy {list(noisy.shape)} must match")
+        self._check_text(text, text_mask, b)
+        pt, ph, pw = self.cfg.patch_size
+        grid = (frames // pt, h // ph, w // pw)
+        tokens_per_frame = grid[1] * grid[2]
+        n_video = grid[0] * tokens_per_frame
+        cond_noisy = self._conditioning(t, r, b, frames, noisy.device)
+        zero = torch.zeros(b, 1, device=noisy.device)
+        cond_clean = self._embed_time(zero, None if self.r_embedder is None else zero)
+        cond = torch.cat([cond_clean, cond_noisy], dim=1)
+        noisy_slots = self._frame_slots(cond_noisy, grid[0], tokens_per_frame, noisy.device)
+        if noisy_slots is None:
+            noisy_slots = torch.zeros(n_video, dtype=torch.long, device=noisy.device)
+        slots = torch.cat([torch.zeros_like(noisy_slots), 1 + noisy_slots])
+        positions = grid_positions(*grid, 0, noisy.device)
+        vid = torch.cat([self._patchify(clean), self._patchify(noisy)], dim=1)
+        rows = _video_rows_mask("tf", grid[0], tokens_per_frame, chunk, text.shape[1],
+                                self.cfg.attn_window_chunks, noisy.device)
+        mask = self._key_mask(rows, text_mask, text.shape[1] + 2 * n_video)
+        out, _ = self._run_video(vid, cond, slots, torch.cat([positions, positions]),
+                                 self._text_kv(text, text_mask), mask)
+        noisy_pred = self._unpatchify(out[:, n_video:], frames, h, w)
+        if return_clean:
+            return noisy_pred, self._unpatchify(out[:, :n_video], frames, h, w)
+        return noisy_pred
+
+    def new_kv_cache(self, text: torch.Tensor, text_mask: torch.Tensor | None = None) -> KVCache:
+        """An empty rollout cache holding the caption's per-layer K/V.
+
+        Computed in the caller's grad mode (wrap in torch.no_grad() for a detached cache).
+        Raises ValueError for a non-causal model or a malformed text / text_mask.
+        """
+        self._chunk_frames()
+        self._check_text(text, text_mask, text.shape[0])
+        return KVCache(text_kv=self._text_kv(text, text_mask), text_mask=text_mask, chunks=[])
+
+    def _check_chunk(self, x: torch.Tensor, cache: KVCache, frame_start: int, name: str):
+        chunk_latent = self.cfg.causal_chunk_size
+        self._chunk_frames()
+        b, frames, h, w = self._check_video(x, name)
+        if b != cache.text_kv[0][0].shape[0]:
+            raise ValueError(f"{name} has batch {b} but the cache was built for "
+                             f"{cache.text_kv[0][0].shape[0]}")
+        if frames > chunk_latent:
+            raise ValueError(f"{name} has {frames} latent frames; a chunk has at most {chunk_latent}")
+        if frame_start != cache.next_frame or frame_start % chunk_latent:
+            raise ValueError(
+                f"frame_start={frame_start}, but the cache's next chunk starts at latent frame "
+                f"{cache.next_frame} (chunks start at multiples of {chunk_latent}; after a short "
+                "last chunk the rollout is complete)"
+            )
+        return b, frames, h, w
+
+    def _run_chunk(self, x, t, r, cache: KVCache, frame_start: int, collect_kv: bool):
+        b, frames, h, w = self._check_chunk(x, cache, frame_start, "x_chunk")
+        pt, ph, pw = self.cfg.patch_size
+        grid = (frames // pt, h // ph, w // pw)
+        tokens_per_frame = grid[1] * grid[2]
+        cond = self._conditioning(t, r, b, frames, x.device)
+        prefix = [cache.prefix(i) for i in range(len(self.blocks))]
+        vid = self._patchify(x)
+        mask = self._key_mask(None, cache.text_mask, prefix[0][0].shape[2] + vid.shape[1])
+        positions = grid_positions(*grid, frame_start // pt, x.device)
+        out, kv = self._run_video(vid, cond, self._frame_slots(cond, grid[0], tokens_per_frame, x.device),
+                                  positions, prefix, mask, collect_kv)
+        return self._unpatchify(out, frames, h, w), kv
+
+    def forward_chunk(self, x_chunk: torch.Tensor, t_chunk: Any, cache: KVCache, frame_start: int,
+                      r_chunk: Any = None) -> torch.Tensor:
+        """Prediction [B, C_out, Tc, H, W] for the next chunk, reading (never changing) the cache.
+
+        The chunk attends to the caption, the committed chunks in the window, and itself, with
+        RoPE at absolute frame frame_start. t_chunk, r_chunk: scalar, [B] or [B, Tc].
+        Raises ValueError unless frame_start is where the cache's next chunk starts and the
+        chunk is at most causal_chunk_size frames.
+        """
+        out, _ = self._run_chunk(x_chunk, t_chunk, r_chunk, cache, frame_start, collect_kv=False)
+        return out
+
+    @torch.no_grad()
+    def commit_chunk(self, x_chunk_clean: torch.Tensor, cache: KVCache, frame_start: int) -> None:
+        """Runs the clean chunk at t = 0 (and r = 0) and appends its detached K/V to the cache.
+
+        Evicts chunks that fell out of the attention window and advances cache.next_frame.
+        Raises ValueError like forward_chunk.
+        """
+        b = x_chunk_clean.shape[0]
+        zero = torch.zeros(b, device=x_chunk_clean.device)
+        _, kv = self._run_chunk(x_chunk_clean, zero, None if self.r_embedder is None else zero, cache,
+                                frame_start, collect_kv=True)
+        cache.chunks.append(kv)
+        window = self.cfg.attn_window_chunks
+        if window is not None:
+            del cache.chunks[: max(0, len(cache.chunks) - window)]
+        cache.next_frame = frame_start + x_chunk_clean.shape[2]

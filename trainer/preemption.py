@@ -1,0 +1,137 @@
+"""Turn a preemption signal into a flag the training loop checks at step boundaries.
+
+The protocol (docs/checkpoints.md): Slurm sends SIGUSR2 some time before the end of a job's
+allocation (`--signal=USR2@<lead>`) and SIGTERM when it cancels or preempts. The handler only
+records that a signal arrived: doing real work inside a signal handler (saving, logging,
+collectives) can interrupt the main thread in the middle of a write or a collective and deadlock
+or corrupt state. The loop polls `requested`, agrees with every rank through
+`preemption_requested_anywhere`, saves a checkpoint at the step boundary and exits with
+`PREEMPTED_EXIT_CODE` so the launcher requeues the job.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from types import FrameType
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+# sysexits.h EX_TEMPFAIL: "temporary failure, the user is invited to retry". Deliberately not
+# 143 (128 + SIGTERM): that is also what a rank killed by SIGTERM *without* saving returns, so the
+# launcher could not tell "saved, please requeue" from "died". 75 is used by nothing else in
+# torch, torchrun or Slurm.
+PREEMPTED_EXIT_CODE = 75
+
+DEFAULT_SIGNALS = ("SIGUSR2", "SIGTERM")
+
+
+class PreemptionHandler:
+    """Installs signal handlers that only set a flag.
+
+    Use as a context manager or call `install()` / `uninstall()` from the main thread (Python only
+    delivers signals there). A second signal while the flag is set is counted and otherwise
+    ignored: the save already pending must not be interrupted.
+    """
+
+    def __init__(self, signals: Iterable[str | int] = DEFAULT_SIGNALS) -> None:
+        self._signals = tuple(_resolve_signal(s) for s in signals)
+        self._previous: dict[signal.Signals, Any] = {}
+        self._signal: signal.Signals | None = None
+        self._received_at: float | None = None
+        self._count = 0
+
+    @property
+    def requested(self) -> bool:
+        """True once any of the watched signals has arrived in this process."""
+        return self._signal is not None
+
+    @property
+    def signal_name(self) -> str | None:
+        """Name of the first signal received ("SIGUSR2"), or None."""
+        return self._signal.name if self._signal is not None else None
+
+    @property
+    def received_at(self) -> float | None:
+        """`time.monotonic()` when the first signal arrived, or None."""
+        return self._received_at
+
+    @property
+    def signal_count(self) -> int:
+        """How many watched signals arrived so far."""
+        return self._count
+
+    def install(self) -> "PreemptionHandler":
+        """Install the handlers, remembering the previous ones. Returns self.
+
+        Raises ValueError when called outside the main thread (Python's rule for signal.signal).
+        """
+        for sig in self._signals:
+            if sig not in self._previous:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def uninstall(self) -> None:
+        """Restore the handlers that were in place before `install()`."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Only plain assignments here: no logging, no I/O (see the module docstring).
+        self._count += 1
+        if self._signal is None:
+            self._signal = signal.Signals(signum)
+            self._received_at = time.monotonic()
+
+    def __enter__(self) -> "PreemptionHandler":
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+
+def preemption_requested_anywhere(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """Return True on every rank if `flag` is True on any rank (an all-reduce MAX).
+
+    Only one node may receive the signal (Slurm delivers to the batch step, torchrun forwards to
+    its own workers): every rank must still stop at the same step, or the ones that go on hang
+    in the next collective. Without an initialised process group this is just `flag`. Call it
+    at the same point of the loop on every rank.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return bool(flag)
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_collective_device(group))
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The device a small tensor must live on for a collective of `group`'s backend."""
+    backend = str(dist.get_backend(group)).lower()
+    # "gloo", or a mixed "cpu:gloo,cuda:nccl" backend, can reduce a CPU tensor.
+    if "gloo" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _resolve_signal(sig: str | int) -> signal.Signals:
+    if isinstance(sig, str):
+        name = sig.upper()
+        if not name.startswith("SIG"):
+            name = "SIG" + name
+        try:
+            return signal.Signals[name]
+        except KeyError:
+            raise ValueError(f"unknown signal {sig!r}; use a name such as 'SIGUSR2' or 'SIGTERM'") from None
+    return signal.Signals(sig)
+
+
+__all__ = [
+    "DEFAULT_SIGNALS",
+    "PREEMPTED_EXIT_CODE",
+    "PreemptionHandler",
+    "preemption_requested_anywhere",
+]

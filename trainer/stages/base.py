@@ -1,0 +1,75 @@
+"""What every training stage gives the loop in train.py.
+
+A stage owns its roles (the models it checkpoints), their optimizers, LR schedulers and EMAs,
+and one method, `train_step`, that performs one optimizer step (all micro-batches) and returns
+the numbers to log. The loop owns everything else: resume, saving, logging, preemption.
+
+Checkpoint members: a single-role stage saves `transformer/`, `optimizer/` and (with EMA)
+`ema/`; a multi-role stage saves one directory per role plus `optimizer/` and `ema/` holding a
+mapping by role.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class NonFiniteError(RuntimeError):
+    """A loss or gradient norm that is not finite; raised before the optimizer step."""
+
+
+class Stage:
+    name = "base"
+    roles: dict[str, nn.Module]
+    optimizers: dict[str, torch.optim.Optimizer]
+    schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler]
+    emas: dict
+
+    def train_step(self, step: int) -> dict[str, float]:
+        raise NotImplementedError
+
+    def sampling_model(self, weights: str = "live") -> nn.Module:
+        """The module to sample from (the EMA is swapped in by the caller)."""
+        raise NotImplementedError
+
+    # --- checkpoint members ---------------------------------------------------------------
+    def model_members(self) -> dict[str, nn.Module]:
+        return dict(self.roles)
+
+    def extra_state(self) -> dict:
+        """Small state beyond modules/optimizers (e.g. EMA counters), saved in training_state."""
+        return {"ema_updates": {k: e.num_updates for k, e in self.emas.items()}}
+
+    def load_extra_state(self, state: dict) -> None:
+        for k, n in state.get("ema_updates", {}).items():
+            if k in self.emas:
+                self.emas[k].num_updates = int(n)
+
+
+def check_finite(step: int, **values: float) -> None:
+    """Raise NonFiniteError naming the step and the offending values."""
+    bad = {k: v for k, v in values.items() if not math.isfinite(v)}
+    if bad:
+        detail = ", ".join(f"{k}={v}" for k, v in bad.items())
+        raise NonFiniteError(
+            f"non-finite {detail} at step {step}; the optimizer step was skipped and nothing "
+            f"saved was touched. Lower learning_rate, set max_grad_norm, or check the data.")
+
+
+def clip_and_check(step: int, model: nn.Module, loss: float, max_grad_norm: float) -> float:
+    """Clip gradients (0 = measure only) and raise if loss or norm is not finite."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    limit = max_grad_norm if max_grad_norm > 0 else float("inf")
+    norm = float(torch.nn.utils.clip_grad_norm_(params, limit)) if params else 0.0
+    check_finite(step, loss=loss, grad_norm=norm)
+    return norm
+
+
+def autocast_context(device: torch.device, dtype: str):
+    """bf16 autocast on GPU (auto or bfloat16), nothing on CPU unless bfloat16 is asked for."""
+    if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return torch.autocast(device_type=device.type, enabled=False)

@@ -1,0 +1,171 @@
+"""Flow matching (pretrain and SFT): ALGORITHMS.md §3.
+
+One sigma per sample from the configured sampler and shift; the model regresses the velocity
+n - x0. Conditioning tasks: a caption dropped to the null caption with cfg_drop_prob; with
+image_cond_prob / video_cond_prob the first 1 / video_cond_frames latent frames stay clean
+(t = 0) and are left out of the loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from trainer import flow
+from trainer.stages.base import Stage, autocast_context, clip_and_check
+
+
+def sample_condition_frames(batch_size: int, num_frames: int, *, image_prob: float,
+                            video_prob: float, video_frames: int,
+                            generator: torch.Generator | None = None) -> torch.Tensor:
+    """Per sample, how many leading latent frames are given clean (0, 1 or video_frames)."""
+    u = torch.rand(batch_size, generator=generator)
+    clean = torch.zeros(batch_size, dtype=torch.long)
+    clean[u < image_prob] = 1
+    clean[(u >= image_prob) & (u < image_prob + video_prob)] = min(video_frames, num_frames - 1)
+    return clean
+
+
+def drop_captions(text: torch.Tensor, mask: torch.Tensor, null_text: torch.Tensor,
+                  null_mask: torch.Tensor, prob: float,
+                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replace each sample's caption by the null caption with probability `prob`."""
+    if prob <= 0:
+        return text, mask
+    drop = torch.rand(text.shape[0], generator=generator) < prob
+    drop = drop.to(text.device)
+    text = torch.where(drop[:, None, None], null_text.to(text)[None], text)
+    mask = torch.where(drop[:, None], null_mask.to(mask.device)[None], mask)
+    return text, mask
+
+
+def fm_loss(model: nn.Module, batch: dict, args, null_text: torch.Tensor,
+            null_mask: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, dict]:
+    """The FM loss of one micro-batch (§3.2) and a few diagnostics."""
+    x0 = batch["latents"]
+    device = x0.device
+    b, _, t_frames = x0.shape[:3]
+    text, mask = drop_captions(batch["text"], batch["text_mask"], null_text, null_mask,
+                               args.cfg_drop_prob)
+    sigma = flow.sample_training_sigma(
+        b, snr_type=args.flow_snr_type, lognorm_loc=args.flow_lognorm_loc,
+        lognorm_scale=args.flow_lognorm_scale, mode_scale=args.flow_mode_scale,
+        mix_uniform_ratio=args.flow_mix_uniform_ratio, shift=args.train_timestep_shift,
+        shift_mode=args.train_timestep_shift_mode, num_tokens=num_tokens,
+        dynamic_base_tokens=args.dynamic_shift_base_tokens,
+        dynamic_max_tokens=args.dynamic_shift_max_tokens,
+        dynamic_base_shift=args.dynamic_shift_base, dynamic_max_shift=args.dynamic_shift_max,
+    ).to(device)
+    clean = sample_condition_frames(b, t_frames, image_prob=args.image_cond_prob,
+                                    video_prob=args.video_cond_prob,
+                                    video_frames=args.video_cond_frames).to(device)
+    frame_idx = torch.arange(t_frames, device=device)
+    frame_mask = frame_idx[None, :] >= clean[:, None]              # [B, T]: frames in the loss
+    sigma_frames = sigma[:, None] * frame_mask.float()             # clean frames at t = 0
+    noise = torch.randn_like(x0)
+    x_t = flow.interpolate(x0, noise, sigma_frames)
+    pred = model(x_t, flow.NUM_TRAIN_TIMESTEPS * sigma_frames, text, mask)
+    weight = None
+    if args.loss_weighting != "none":
+        weight = flow.loss_weight(sigma, args.loss_weighting, args.train_timestep_shift)
+    loss, _ = flow.flow_matching_loss(pred.float(), x0.float(), noise.float(), weight=weight,
+                                      frame_mask=frame_mask)
+    return loss, {"sigma_mean": float(sigma.mean())}
+
+
+class FlowMatchingStage(Stage):
+    """Pretrain and SFT: one transformer, one optimizer, an optional EMA."""
+
+    name = "fm"
+
+    def __init__(self, model: nn.Module, train_model: nn.Module, optimizer, scheduler, ema,
+                 data, args, text_encoder, device: torch.device):
+        self.model = model                    # the bare module (checkpoints, sampling)
+        self.train_model = train_model        # what runs forward/backward (DDP-wrapped or bare)
+        self.roles = {"transformer": model}
+        self.optimizers = {"transformer": optimizer}
+        self.schedulers = {"transformer": scheduler}
+        self.emas = {"transformer": ema} if ema is not None else {}
+        self.data = data
+        self.args = args
+        self.device = device
+        self.tokens_per_sample = 0
+        null_text, null_mask = text_encoder.null_embedding()
+        self.null_text = null_text.to(device)
+        self.null_mask = null_mask.to(device)
+
+    def train_step(self, step: int) -> dict[str, float]:
+        args = self.args
+        accum = args.gradient_accumulation_steps
+        optimizer = self.optimizers["transformer"]
+        total, stats = 0.0, {}
+        samples = 0
+        for micro in range(accum):
+            batch = _to_device(self.data.next_batch(), self.device)
+            samples += batch["latents"].shape[0]
+            self.tokens_per_sample = self.num_tokens(batch)
+            sync = micro == accum - 1 or not hasattr(self.train_model, "no_sync")
+            ctx = self.train_model.no_sync() if not sync else contextlib.nullcontext()
+            with ctx:
+                with autocast_context(self.device, args.dtype):
+                    loss, stats = fm_loss(self.train_model, batch, args, self.null_text,
+                                          self.null_mask, self.num_tokens(batch))
+                (loss / accum).backward()
+            total += float(loss.detach()) / accum
+        grad_norm = clip_and_check(step, self.model, total, args.max_grad_norm)
+        optimizer.step()
+        self.schedulers["transformer"].step()
+        optimizer.zero_grad(set_to_none=True)
+        if "transformer" in self.emas:
+            self.emas["transformer"].update(self.model, step)
+        return {"loss": total, "grad_norm": grad_norm, "lr": optimizer.param_groups[0]["lr"],
+                "samples": samples, **stats}
+
+    def warm_start(self, args) -> dict:
+        """Load pretrained transformer weights (a fresh optimizer, schedule and data cursor)."""
+        from trainer.checkpoint import load_warm_start
+
+        report = load_warm_start(args.pretrained_transformer_path, self.model,
+                                 weights=args.pretrained_weights,
+                                 allow_missing=args.warm_start_allow_missing,
+                                 allow_unexpected=args.warm_start_allow_unexpected)
+        for ema in self.emas.values():
+            ema.reset(self.model)
+        return report
+
+    def num_tokens(self, batch: dict) -> int:
+        pt, ph, pw = self.model.config["patch_size"]
+        _, _, t, h, w = batch["latents"].shape
+        return (t // pt) * (h // ph) * (w // pw)
+
+    def sampling_model(self, weights: str = "live") -> nn.Module:
+        return self.model
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+            for k, v in batch.items()}
+
+
+def build_fm_stage(args, topo) -> FlowMatchingStage:
+    """Model, optimizer, LR schedule, EMA and data for pretrain / SFT."""
+    from trainer.ema import EMA
+    from trainer.optim import build_lr_scheduler, build_optimizer
+    from trainer.stages import build_data, build_model, build_text_encoder, wrap_for_training
+
+    model = build_model(args, topo.device)
+    optimizer = build_optimizer(
+        model, use_muon=args.use_muon, learning_rate=args.learning_rate,
+        muon_learning_rate=args.muon_learning_rate, weight_decay=args.weight_decay,
+        betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+    scheduler = build_lr_scheduler(
+        optimizer, lr_scheduler_type=args.lr_scheduler_type, warmup_steps=args.warmup_steps,
+        max_steps=args.max_steps, lr_decay_steps=args.lr_decay_steps,
+        lr_decay_floor_ratio=args.lr_decay_floor_ratio)
+    ema = (EMA(model, args.ema_decay, start=args.ema_start_step,
+               update_every=args.ema_update_every) if args.use_ema else None)
+    stage = FlowMatchingStage(model, wrap_for_training(model, topo), optimizer, scheduler, ema,
+                              build_data(args, topo), args, build_text_encoder(args), topo.device)
+    return stage

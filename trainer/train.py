@@ -1,0 +1,291 @@
+"""relay's trainer: one run of one stage.
+
+    python trainer/train.py --config config/tiny/pretrain.yaml [--key value ...] [--dry-run]
+    torchrun --nproc_per_node 8 -m trainer.train --config ...
+
+Reads like the table of contents of a run: arguments -> topology -> data, model, optimizer ->
+resume (or warm start, or fresh) -> loop with checkpoints -> run-result.json. Exit codes:
+0 completed, 2 bad configuration, 1 failed, trainer.preemption.PREEMPTED_EXIT_CODE preempted
+(saved, ready to be requeued).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python trainer/train.py`: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from trainer import checkpoint as ckpt
+from trainer.args import ConfigError, ResolvedArgs, resolve_args
+from trainer.distributed import Topology, all_reduce_max, barrier, destroy, init_distributed
+from trainer.distributed import world_size_from_env
+from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
+from trainer.stages import build_stage
+from trainer.stages.base import NonFiniteError
+from trainer.tracking import MetricsWriter, Progress, WandbReporter
+
+log = logging.getLogger("relay")
+
+
+def main(argv: list[str] | None = None) -> int:
+    _setup_logging()
+    try:
+        args, dry_run = resolve_args(argv, world_size=world_size_from_env())
+    except ConfigError as exc:
+        print(f"relay: config error: {exc}", file=sys.stderr)
+        return 2
+    if dry_run:
+        print(args.to_json())
+        return 0
+    return run(args)
+
+
+def run(args: ResolvedArgs) -> int:
+    """Train one stage to max_steps (or until preempted). Returns the process exit code."""
+    topo = init_distributed(args.cp_size, args.dist_backend)
+    out = Path(args.output_dir)
+    result = {"status": "failed", "step": 0, "last_checkpoint": None, "error": None}
+    try:
+        if args.cp_size > 1 or args.hybrid_shard:
+            raise ConfigError("cp_size > 1 and hybrid_shard are not implemented yet in this "
+                              "version of relay. Use cp_size: 1 and hybrid_shard: false.")
+        if topo.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+        barrier()
+        _add_file_log(out, topo)
+        handler = PreemptionHandler(signals=(args.preemption_signal, "SIGTERM"))
+        handler.install()
+        return _train(args, topo, out, handler, result)
+    except (ConfigError, ckpt.CheckpointError) as exc:
+        result["error"] = str(exc)
+        log.error("%s", exc)
+        return 2 if isinstance(exc, ConfigError) else 1
+    except NonFiniteError as exc:
+        result["error"] = str(exc)
+        log.error("%s", exc)
+        return 1
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        log.exception("training failed")
+        return 1
+    finally:
+        if topo.is_main and out.is_dir():
+            _write_json(out / "run-result.json", result)
+        destroy()
+
+
+def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHandler,
+           result: dict) -> int:
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True)
+    if topo.is_main:
+        _write_json(out / "resolved-config.json", dict(args))
+        _write_json(out / "launch-manifest.json", launch_manifest(topo))
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    stage = build_stage(args, topo)
+    # Noise, caption drop and conditioning draws differ per rank.
+    torch.manual_seed(args.seed + 1_000_003 * (topo.rank + 1))
+    manager = ckpt.CheckpointManager(out, save_total_limit=args.save_total_limit,
+                                     async_save=args.async_checkpoint)
+    start_step = resume_or_warm_start(args, topo, out, stage)
+    result["step"] = start_step
+    metrics = MetricsWriter(out, enabled=topo.is_main)
+    metrics.truncate_after(start_step)
+    tracker = WandbReporter(args, enabled=topo.is_main)
+    progress = Progress(args.max_steps, start_step, enabled=topo.is_main)
+    last_saved = start_step
+    status = "completed"
+    step = start_step
+    try:
+        window_start, window_samples = time.perf_counter(), 0
+        for step in range(start_step + 1, args.max_steps + 1):
+            t0 = time.perf_counter()
+            numbers = stage.train_step(step)
+            step_time = time.perf_counter() - t0
+            window_samples += numbers.pop("samples", 0)
+            record = None
+            if step % args.log_interval == 0 or step == args.max_steps:
+                elapsed = time.perf_counter() - window_start
+                record = _metrics_record(step, numbers, step_time, window_samples, elapsed,
+                                         stage, topo)
+                metrics.write(record)
+                tracker.log(record)
+                window_start, window_samples = time.perf_counter(), 0
+            progress.update(step, record)
+            result["step"] = step
+            preempted = all_reduce_max(float(handler.requested)) > 0
+            if preempted or step % args.save_interval == 0 or step == args.max_steps:
+                result["last_checkpoint"] = _save(manager, args, topo, stage, step)
+                last_saved = step
+            if preempted:
+                status = "preempted"
+                log.warning("preemption signal %s: saved checkpoint-%d, exiting with code %d "
+                            "for requeue", handler.signal_name, step, PREEMPTED_EXIT_CODE)
+                break
+        if last_saved != step:
+            result["last_checkpoint"] = _save(manager, args, topo, stage, step)
+    finally:
+        manager.close()
+        progress.close()
+        tracker.finish()
+    result["status"] = status
+    return PREEMPTED_EXIT_CODE if status == "preempted" else 0
+
+
+def resume_or_warm_start(args: ResolvedArgs, topo: Topology, out: Path, stage) -> int:
+    """Resume from output_dir's newest readable checkpoint, else warm start, else fresh.
+
+    Returns the step to continue after. Raises CheckpointError when checkpoints exist and none
+    loads (never a silent fresh start).
+    """
+    loaded: dict = {}
+
+    def load(path: Path) -> None:
+        loaded["state"], loaded["cursor"] = ckpt.load_checkpoint(
+            path, stage_members(stage), dp_rank=topo.dp_rank, dp_world=topo.dp_world,
+            cp_size=args.cp_size, resume_data_state=args.resume_data_state)
+
+    path = ckpt.find_resume_checkpoint(out, load)
+    if path is not None:
+        state = loaded["state"]
+        for name, sched_state in state.get("schedulers", {}).items():
+            stage.schedulers[name].load_state_dict(sched_state)
+        stage.load_extra_state(state.get("extra", {}))
+        ckpt.restore_rng_state(state["rng"][str(topo.rank)] if str(topo.rank) in state["rng"]
+                               else state["rng"]["0"])
+        if loaded["cursor"] is not None:
+            stage.data.load_state_dict(loaded["cursor"])
+        else:
+            log.warning("resume_data_state is false: the data stream RESTARTS from the top; "
+                        "model, optimizer and schedule are resumed from %s", path)
+        log.info("resumed from %s (step %d)", path, state["step"])
+        return int(state["step"])
+    if args.load_transformer_weights:
+        report = stage.warm_start(args)
+        if topo.is_main:
+            _write_json(out / "warm-start.json", report)
+        log.info("warm start from %s (%s weights): %d tensors loaded", report["source"],
+                 args.pretrained_weights, len(report.get("loaded", [])))
+        return 0
+    log.info("no checkpoint in %s: starting fresh", out)
+    return 0
+
+
+def stage_members(stage) -> dict[str, dict]:
+    """Everything DCP saves for a stage: model roles, optimizers, EMAs."""
+    members = {name: ckpt.model_state(model) for name, model in stage.model_members().items()}
+    if len(stage.optimizers) == 1:
+        (role, opt), = stage.optimizers.items()
+        members["optimizer"] = ckpt.optimizer_state(stage.roles[role], opt)
+    else:
+        members["optimizer"] = {role: ckpt.optimizer_state(stage.roles[role], opt)
+                                for role, opt in stage.optimizers.items()}
+    if len(stage.emas) == 1:
+        members["ema"] = next(iter(stage.emas.values())).state_dict()
+    elif stage.emas:
+        members["ema"] = {role: e.state_dict() for role, e in stage.emas.items()}
+    return members
+
+
+def _save(manager, args: ResolvedArgs, topo: Topology, stage, step: int) -> str:
+    rng = ckpt.capture_rng_state()
+    rng_all = _gather_rng(rng, topo)
+    training_state = {
+        "step": step,
+        "schedulers": {k: s.state_dict() for k, s in stage.schedulers.items()},
+        "rng": rng_all,
+        "extra": stage.extra_state(),
+    }
+    path = manager.save(step, members=stage_members(stage), training_state=training_state,
+                        dataloader_state=stage.data.state_dict(), dp_rank=topo.dp_rank,
+                        dp_world=topo.dp_world, world_size=topo.world_size,
+                        cp_size=args.cp_size, config_digest=args.digest(),
+                        extra_files={"resolved-config.json": json.dumps(dict(args), indent=2)})
+    return str(path)
+
+
+def _gather_rng(rng: dict, topo: Topology) -> dict:
+    """Every rank's RNG state, keyed by rank (rank 0 writes training_state.pt)."""
+    if not topo.distributed:
+        return {"0": rng}
+    gathered = [None] * topo.world_size
+    torch.distributed.all_gather_object(gathered, rng)
+    return {str(i): g for i, g in enumerate(gathered)}
+
+
+def _metrics_record(step: int, numbers: dict, step_time: float, samples: int, elapsed: float,
+                    stage, topo: Topology) -> dict:
+    import psutil
+
+    tokens = samples * getattr(stage, "tokens_per_sample", 0) * topo.dp_world
+    record = {"step": step, **numbers, "step_time_s": step_time,
+              "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+              "host_mem_gb": psutil.Process().memory_info().rss / 2**30,
+              "peak_device_mem_gb": (torch.cuda.max_memory_allocated() / 2**30
+                                     if torch.cuda.is_available() else 0.0)}
+    return record
+
+
+def launch_manifest(topo: Topology) -> dict:
+    """Who ran this, where and with what (written by rank 0 at start)."""
+    env = os.environ
+    return {
+        "host": socket.gethostname(),
+        "world_size": topo.world_size,
+        "ranks_per_node": int(env.get("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", "1")
+                                      .split("(")[0] or 1)),
+        "cp_size": topo.cp_size,
+        "device": str(topo.device),
+        "slurm_job_id": env.get("SLURM_JOB_ID"),
+        "slurm_array_job_id": env.get("SLURM_ARRAY_JOB_ID"),
+        "slurm_array_task_id": env.get("SLURM_ARRAY_TASK_ID"),
+        "slurm_restart_count": env.get("SLURM_RESTART_COUNT"),
+        "git_commit": _git_commit(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "argv": sys.argv,
+    }
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
+    os.replace(tmp, path)
+
+
+def _setup_logging() -> None:
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING,
+                        format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr)
+
+
+def _add_file_log(out: Path, topo: Topology) -> None:
+    if topo.is_main:
+        handler = logging.FileHandler(out / "train.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        logging.getLogger().addHandler(handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
