@@ -1,6 +1,5 @@
 import json
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -63,11 +62,16 @@ def test_dataset_decodes_rows_equal_to_the_generated_clips(shapes_dir):
         assert item["text"].shape == (5, 16) and item["text_mask"].all()
 
 
-def test_text_is_padded_and_masked_to_text_len(shapes_dir):
-    item = ParquetLatentDataset(str(shapes_dir), text_len=8)[0]
+def test_text_is_padded_and_masked_to_max_text_tokens(shapes_dir):
+    item = ParquetLatentDataset(str(shapes_dir), max_text_tokens=8)[0]
     assert item["text"].shape == (8, 16)
     assert item["text_mask"].tolist() == [True] * 5 + [False] * 3
     assert torch.all(item["text"][5:] == 0)
+
+
+def test_dataset_accepts_already_resolved_paths(shapes_dir, other_dir):
+    resolved = resolve_data_paths({str(shapes_dir): 1, str(other_dir): 2})
+    assert len(ParquetLatentDataset(resolved)) == 24 + 2 * 6
 
 
 def test_repeat_two_doubles_that_directorys_samples_per_epoch(shapes_dir, other_dir):
@@ -98,7 +102,7 @@ def test_decode_tensor_checks_byte_count_and_handles_bfloat16():
 
 
 def test_batch_has_the_documented_shapes(shapes_dir):
-    dataset = ParquetLatentDataset(str(shapes_dir), text_len=8)
+    dataset = ParquetLatentDataset(str(shapes_dir), max_text_tokens=8)
     batch = DistributedBatchIterator(dataset, batch_size=4, dp_rank=0, dp_world=1, seed=0).next_batch()
     assert batch["latents"].shape == (4, 3, 8, 16, 16) and batch["latents"].dtype == torch.float32
     assert batch["text"].shape == (4, 8, 16) and batch["text_mask"].shape == (4, 8)

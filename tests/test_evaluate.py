@@ -9,8 +9,8 @@ from trainer.synthetic import COLOURS, DIRECTIONS, SHAPES, make_clip
 @pytest.fixture(scope="module")
 def generated():
     """200 real clips as uint8 frames, with their captions."""
-    specs_and_clips = [make_clip(11, index) for index in range(200)]
-    return [latents_to_frames(clip) for _, clip in specs_and_clips], [spec.caption for spec, _ in specs_and_clips]
+    pairs = [make_clip(11, index) for index in range(200)]
+    return [latents_to_frames(clip) for _, clip in pairs], [spec.caption for spec, _ in pairs]
 
 
 def test_generated_clips_are_detected_correctly(generated):

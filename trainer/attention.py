@@ -138,6 +138,9 @@ def attention(
                 f"attention backend {backend!r} supports only mask=None; masked attention "
                 "(block-causal, teacher forcing, padded text) needs backend='sdpa'"
             )
+        if mask.ndim < 4:
+            # some SDPA kernels broadcast only over leading singleton dims that exist
+            mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
     return chosen.fn(q, k, v, mask)
 
 

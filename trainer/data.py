@@ -98,7 +98,9 @@ def decode_tensor(data: bytes, shape, dtype: str) -> torch.Tensor:
     shape = [int(s) for s in shape]
     expected = math.prod(shape) * torch_dtype.itemsize
     if len(data) != expected:
-        raise ValueError(f"{len(data)} bytes do not hold a {dtype} tensor of shape {shape} ({expected} bytes)")
+        raise ValueError(
+            f"{len(data)} bytes do not hold a {dtype} tensor of shape {shape} ({expected} bytes)"
+        )
     if expected == 0:
         return torch.empty(shape, dtype=torch_dtype)
     # bytearray: torch.frombuffer wants a writable buffer, and the copy detaches from arrow.
@@ -108,18 +110,23 @@ def decode_tensor(data: bytes, shape, dtype: str) -> torch.Tensor:
 class ParquetLatentDataset:
     """Rows of parquet shards in the data contract, indexable as training samples.
 
-    Rows of a shard with repeat k appear k times (len counts them). dataset[i] gives
-    {"id", "caption", "latent" float32 [C, T, H, W], "text" float32 [L, D], "text_mask" bool
-    [L], "first_frame" float32 [C, 1, H, W] or None}. Stored text embeddings hold only real
-    tokens (or carry a text_attention_mask); they are padded with zeros, or cut, to
-    text_len tokens (default: the longest in the data) and masked.
+    `data` is a data_path (see resolve_data_paths) or that function's result. Rows of a shard
+    with repeat k appear k times (len counts them). dataset[i] gives {"id", "caption",
+    "latent" float32 [C, T, H, W], "text" float32 [L, D], "text_mask" bool [L], "first_frame"
+    float32 [C, 1, H, W] or None}. Stored text embeddings hold only real tokens (or carry a
+    text_attention_mask); they are padded with zeros, or cut, to L = max_text_tokens
+    (default: the longest in the data; the chosen L is `text_len`) and masked. Pass the text
+    encoder's max_tokens so batches line up with its null embedding.
 
     Raises ValueError naming the shard and the missing columns when a shard lacks a required
     column, and ValueError when latent shapes differ (batching them needs packing).
     """
 
-    def __init__(self, data_path, *, text_len: int | None = None):
-        self.shards = resolve_data_paths(data_path)
+    def __init__(self, data, *, max_text_tokens: int | None = None):
+        if isinstance(data, list):
+            self.shards = [(Path(path), int(repeat)) for path, repeat in data]
+        else:
+            self.shards = resolve_data_paths(data)
         # Per shard, its columns as Python lists: row access is then a plain list lookup.
         self._shards: list[dict[str, list]] = []
         self._index: list[tuple[int, int]] = []  # (shard, row), repeats expanded
@@ -129,7 +136,7 @@ class ParquetLatentDataset:
             rows = [(shard_number, row) for row in range(len(columns["id"]))]
             self._index.extend(rows * repeat)
         if not self._index:
-            raise ValueError(f"data_path {data_path} holds no rows")
+            raise ValueError(f"the data ({len(self.shards)} shards) holds no rows")
 
         latent_shapes = {tuple(s) for c in self._shards for s in c["vae_latent_shape"]}
         if len(latent_shapes) > 1:
@@ -140,9 +147,9 @@ class ParquetLatentDataset:
         self.latent_shape = latent_shapes.pop()
         self.has_first_frame = all(FIRST_FRAME_COLUMNS[0] in c for c in self._shards)
         longest = max(s[0] for c in self._shards for s in c["text_embedding_shape"])
-        self.text_len = int(text_len) if text_len is not None else int(longest)
+        self.text_len = int(max_text_tokens) if max_text_tokens is not None else int(longest)
         if self.text_len < 1:
-            raise ValueError(f"text_len must be >= 1, got {text_len}")
+            raise ValueError(f"max_text_tokens must be >= 1, got {max_text_tokens}")
 
     @staticmethod
     def _read_shard(path: Path) -> dict[str, list]:

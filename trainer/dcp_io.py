@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -26,6 +27,13 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 METADATA_FILE = ".metadata"
+
+# DCP warns on every single-process save/load; here that is deliberate (one process, a tool, a
+# test), so the warning only teaches users to ignore warnings.
+warnings.filterwarnings(
+    "ignore",
+    message=r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to",
+)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -110,7 +118,7 @@ def read_dcp_tensor_shapes(dcp_dir: str | os.PathLike) -> dict[str, tuple[torch.
     }
 
 
-def distributed_active(group: dist.ProcessGroup | None = None) -> bool:
+def distributed_active() -> bool:
     """True when a process group is initialised, so DCP must run as a collective."""
     return dist.is_available() and dist.is_initialized()
 
@@ -131,7 +139,7 @@ def load_dcp_in_place(
         storage_reader=SafeFileSystemReader(str(dcp_dir)),
         planner=SafeLoadPlanner(),
         process_group=process_group,
-        no_dist=not distributed_active(process_group),
+        no_dist=not distributed_active(),
     )
 
 

@@ -99,9 +99,9 @@ def _muon_group_step(state: dict, group: dict) -> None:
         # Nesterov look-ahead: (1 - beta) G + beta M.
         update = grad.lerp(buf, beta) if group["nesterov"] else buf
         direction = _orthogonalized_update(update, group["ns_steps"])
-        p.add_(direction.to(p.dtype), alpha=-lr)
         if wd != 0:
-            p.mul_(1.0 - lr * wd)
+            p.mul_(1.0 - lr * wd)  # decoupled decay, before the update
+        p.add_(direction.to(p.dtype), alpha=-lr)
 
 
 @torch.no_grad()

@@ -176,7 +176,9 @@ def render_clip(spec: ClipSpec, *, num_frames: int, height: int, width: int) -> 
     return pixels * 2.0 - 1.0
 
 
-def make_clip(seed: int, index: int, *, num_frames: int = 8, height: int = 16, width: int = 16) -> tuple[ClipSpec, np.ndarray]:
+def make_clip(
+    seed: int, index: int, *, num_frames: int = 8, height: int = 16, width: int = 16
+) -> tuple[ClipSpec, np.ndarray]:
     """Sample `index` of the dataset with `seed`: (its spec, its latents [3, T, H, W])."""
     rng = np.random.default_rng([seed, index])
     spec = sample_clip_spec(rng, num_frames=num_frames, height=height, width=width)
@@ -185,6 +187,7 @@ def make_clip(seed: int, index: int, *, num_frames: int = 8, height: int = 16, w
 
 def _dataset_params(num_samples, seed, num_frames, height, width, samples_per_shard, text_dim,
                     max_text_tokens, text_encoder_seed, fps) -> dict:
+    # Everything that changes the written bytes: a cache is reused only if all of it matches.
     return {
         "num_samples": int(num_samples),
         "seed": int(seed),

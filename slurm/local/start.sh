@@ -91,14 +91,20 @@ port_owner() {
     fi
 }
 
-# wait_for SECONDS DESCRIPTION COMMAND...: poll COMMAND every 0.1 s until it succeeds.
+# wait_for SECONDS DESCRIPTION COMMAND...: poll COMMAND every 0.1 s until it succeeds;
+# says what it waits for when that takes more than 3 s.
 wait_for() {
-    local limit="$1" what="$2" deadline
+    local limit="$1" what="$2" start now said=0
     shift 2
-    deadline=$(($(date +%s) + limit))
+    start="$(date +%s)"
     until "$@" >/dev/null 2>&1; do
-        if (($(date +%s) >= deadline)); then
+        now="$(date +%s)"
+        if ((now - start >= limit)); then
             return 1
+        fi
+        if ((!said && now - start >= 3)); then
+            log "waiting for $what (up to $limit s)"
+            said=1
         fi
         sleep 0.1
     done
@@ -110,10 +116,16 @@ launch() {
     local out="$1"
     shift
     setsid "$@" </dev/null >>"$out" 2>&1 9>&- &
-    LAUNCHED_PID=$!
 }
 
-[[ "$(id -u)" == 0 ]] || die "must run as root (it installs packages, writes /etc/slurm and starts daemons as root)"
+if [[ "$(id -u)" != 0 ]]; then
+    # Re-run through passwordless sudo where there is one, keeping our settings.
+    if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+        exec sudo -n --preserve-env=RELAY_SLURM_STATE,RELAY_SLURM_CLUSTER,RELAY_SLURM_PARTITION,RELAY_SLURM_CPUS,RELAY_SLURM_PROCTRACK,RELAY_SLURM_TIMEOUT,RELAY_SLURM_NO_INSTALL \
+            bash "$0" "$@"
+    fi
+    die "must run as root (it installs packages, writes /etc/slurm and starts daemons as root); no passwordless sudo here"
+fi
 [[ "$CPUS_WANTED" =~ ^[0-9]+$ ]] || die "RELAY_SLURM_CPUS must be a number, got '$CPUS_WANTED'"
 
 mkdir -p "$(dirname "$STATE")"
@@ -186,10 +198,11 @@ port_free_or_ours() { # PORT PIDFILE COMM NAME
     if port_listening "$1"; then
         local other=""
         other="$(grep -s '^StateSaveLocation=' "$CONF_DIR/slurm.conf" | cut -d= -f2- || true)"
+        other="${other%/ctld}"
         die "port $1 ($4) is already in use, not by this cluster (state $STATE):
 $(port_owner "$1")
-Another Slurm runs on this machine${other:+ (its /etc/slurm/slurm.conf has StateSaveLocation=$other)}.
-Stop it first, e.g. RELAY_SLURM_STATE=<its state dir> slurm/local/stop.sh, or use that cluster."
+Another Slurm runs on this machine${other:+ (/etc/slurm/slurm.conf names state dir $other)}.
+Use that cluster, or stop it first: RELAY_SLURM_STATE=${other:-<its state dir>} slurm/local/stop.sh"
     fi
 }
 port_free_or_ours "$PORT_CTLD" "$PID_CTLD" slurmctld slurmctld
@@ -316,7 +329,7 @@ stop_pid() { # PIDFILE COMM
     pid="$(tr -d '[:space:]' <"$1")"
     kill -TERM "$pid" 2>/dev/null || true
     for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null || true
+    if kill -0 "$pid" 2>/dev/null; then kill -KILL "$pid" 2>/dev/null || true; fi
     rm -f "$1"
 }
 if ((changed)); then
@@ -452,7 +465,7 @@ node_ready() { case "$(node_state)" in idle | mixed | allocated | completing) re
 if ! wait_for 15 "node $HOST" node_ready; then
     st="$(node_state)"
     case "$st" in
-    down* | drain* | drained*)
+    down* | drain*)
         log "node $HOST is $st; resuming it"
         scontrol update NodeName="$HOST" State=RESUME || true
         ;;

@@ -45,7 +45,14 @@ die() { printf 'slurm-local: ERROR: %s\n' "$*" >&2; exit 1; }
 T0="$(date +%s.%N)"
 elapsed() { awk -v a="$T0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
 
-[[ "$(id -u)" == 0 ]] || die "must run as root"
+if [[ "$(id -u)" != 0 ]]; then
+    # Re-run through passwordless sudo where there is one, keeping our settings.
+    if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+        exec sudo -n --preserve-env=RELAY_SLURM_STATE,RELAY_SLURM_CLUSTER,RELAY_SLURM_PARTITION,RELAY_SLURM_CPUS,RELAY_SLURM_PROCTRACK,RELAY_SLURM_TIMEOUT,RELAY_SLURM_NO_INSTALL \
+            bash "$0" "$@"
+    fi
+    die "must run as root (the daemons run as root); no passwordless sudo here"
+fi
 if [[ -d "$(dirname "$STATE")" ]]; then
     exec 9>"$STATE.lock"
     flock -w 600 9 || die "another start.sh/stop.sh holds $STATE.lock for over 600 s"
@@ -135,4 +142,6 @@ if ((PURGE)); then
     fi
     rm -f "$STATE.install.log"
 fi
-echo "slurm-local: stopped (state $STATE$( ((PURGE)) && echo ', purged' || true)) in $(elapsed) s"
+purged=""
+if ((PURGE)); then purged=", purged"; fi
+echo "slurm-local: stopped (state $STATE$purged) in $(elapsed) s"
