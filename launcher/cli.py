@@ -65,6 +65,153 @@ def cmd_export(ns: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------
+# Pipelines: submit | run | render | status | cancel
+# ---------------------------------------------------------------------------------------------
+
+def _load_pipeline(ns: argparse.Namespace, verb: str, *, check_paths: bool = True):
+    """The validated pipeline, or None after printing why (nothing was launched)."""
+    from launcher.pipeline import PipelineError, validate_pipeline
+
+    try:
+        return validate_pipeline(ns.pipeline, root=ns.root, from_stage=ns.from_stage,
+                                 only=ns.only, check_paths=check_paths)
+    except PipelineError as exc:
+        print(f"relay {verb}: {ns.pipeline}: nothing was {'submitted' if verb == 'submit' else 'run'}, "
+              f"because:\n{exc}", file=sys.stderr)
+        return None
+
+
+def _print_plan(pipeline) -> None:
+    print(f"pipeline {pipeline.name} ({pipeline.path}) -> {pipeline.root}")
+    for stage in pipeline.stages:
+        r = stage.resources
+        after = f", after {', '.join(stage.depends_on)}" if stage.depends_on else ""
+        gpus = f" x {r.gpus_per_node} GPUs" if r.gpus_per_node else f" x {r.tasks_per_node} CPU ranks"
+        print(f"  {stage.name}: {r.nodes} node(s){gpus} = world {r.world_size}, "
+              f"{stage.args.max_steps} steps, time {r.time_min} min{after} -> {stage.output_dir}")
+    for note in pipeline.notes:
+        print(f"  note: {note}")
+
+
+def _dependency_placeholder(stage) -> str | None:
+    return f"{stage.depends_on[0]}_JOB_ID" if stage.depends_on else None
+
+
+def cmd_render(ns: argparse.Namespace) -> int:
+    from launcher.slurm import SBATCH_FILE, render_sbatch
+
+    pipeline = _load_pipeline(ns, "render", check_paths=ns.check_paths)
+    if pipeline is None:
+        return 2
+    for stage in pipeline.stages:
+        print(f"# ===== stage {stage.name}: {stage.output_dir}/{SBATCH_FILE}")
+        print(render_sbatch(stage, dependency=_dependency_placeholder(stage)))
+    return 0
+
+
+def cmd_submit(ns: argparse.Namespace) -> int:
+    from launcher import slurm
+    from launcher.record import build_record, now_iso, read_record_if_any, write_record
+    from launcher.status import active_jobs, collect_status
+
+    pipeline = _load_pipeline(ns, "submit")
+    if pipeline is None:
+        return 2
+    _print_plan(pipeline)
+    if ns.dry_run:
+        for stage in pipeline.stages:
+            print(f"\n# ===== stage {stage.name}: {stage.output_dir}/{slurm.SBATCH_FILE}")
+            print(slurm.render_sbatch(stage, dependency=_dependency_placeholder(stage)))
+        print("\nrelay submit: --dry-run, nothing was submitted.")
+        return 0
+    try:
+        slurm.require_slurm()
+    except slurm.SlurmError as exc:
+        print(f"relay submit: {exc}", file=sys.stderr)
+        return 2
+    previous = read_record_if_any(pipeline.root)
+    if previous is not None:
+        names = {s.name for s in pipeline.stages}
+        busy = [r for r in active_jobs(collect_status(pipeline.root)) if r.name in names]
+        if busy:
+            print("relay submit: nothing was submitted: "
+                  + "; ".join(f"stage {r.name} still has job {r.job_id} {r.state}" for r in busy)
+                  + f". Wait for it, or `relay cancel {pipeline.root}` first.", file=sys.stderr)
+            return 2
+    launched: dict[str, dict] = {}
+
+    def record(submitted) -> None:
+        launched[submitted.name] = {"job_id": submitted.job_id, "sbatch": submitted.sbatch,
+                                    "launched_at": now_iso()}
+        write_record(pipeline.root, build_record(pipeline, launched, mode="slurm", previous=previous))
+        print(f"  submitted {submitted.name}: job {submitted.job_id}"
+              + (f" (afterok {', '.join(submitted.depends_on)})" if submitted.depends_on else ""))
+
+    try:
+        slurm.submit_pipeline(pipeline, on_submit=record)
+    except slurm.SlurmError as exc:
+        if previous is not None:
+            write_record(pipeline.root, previous)
+        print(f"relay submit: {exc}. Jobs submitted before it were cancelled.", file=sys.stderr)
+        return 1
+    print(f"watch it: relay status {pipeline.root}")
+    return 0
+
+
+def cmd_run(ns: argparse.Namespace) -> int:
+    from launcher.local import run_pipeline_locally
+
+    pipeline = _load_pipeline(ns, "run")
+    if pipeline is None:
+        return 2
+    _print_plan(pipeline)
+    return run_pipeline_locally(pipeline)
+
+
+def cmd_status(ns: argparse.Namespace) -> int:
+    from launcher.record import RecordError
+    from launcher.status import collect_status, render_status_table
+
+    try:
+        rows = collect_status(ns.root)
+    except RecordError as exc:
+        print(f"relay status: {exc}", file=sys.stderr)
+        return 2
+    print(render_status_table(rows))
+    return 0
+
+
+def cmd_cancel(ns: argparse.Namespace) -> int:
+    from launcher.record import RecordError
+    from launcher.slurm import SlurmError, cancel_jobs
+    from launcher.status import active_jobs, collect_status
+
+    try:
+        rows = collect_status(ns.root)
+    except RecordError as exc:
+        print(f"relay cancel: {exc}", file=sys.stderr)
+        return 2
+    active = active_jobs(rows)
+    if not active:
+        print(f"relay cancel: no queued or running job in {ns.root}.")
+        return 0
+    try:
+        cancel_jobs([r.job_id for r in active])
+    except SlurmError as exc:
+        print(f"relay cancel: {exc}", file=sys.stderr)
+        return 1
+    for r in active:
+        print(f"cancelled {r.name}: job {r.job_id} (was {r.state})")
+    return 0
+
+
+def cmd_env_probe(ns: argparse.Namespace) -> int:
+    from launcher.environment import print_probe
+
+    return print_probe(as_json=ns.json, import_kernels=ns.import_kernels)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="relay", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -102,6 +249,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="model.safetensors path")
     p.add_argument("--weights", choices=("auto", "ema", "live"), default="auto")
     p.set_defaults(func=cmd_export)
+
+    def add_pipeline_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("pipeline", help="pipeline YAML (e.g. config/pipeline/tiny.yaml)")
+        p.add_argument("--root", default=None,
+                       help="pipeline directory (default: the YAML's root); stage output_dirs "
+                            "default to ROOT/<stage>")
+        which = p.add_mutually_exclusive_group()
+        which.add_argument("--from", dest="from_stage", metavar="STAGE", default=None,
+                           help="launch STAGE and the stages after it; earlier stages' "
+                                "output_dirs must already hold their checkpoints")
+        which.add_argument("--only", metavar="STAGE", default=None, help="launch STAGE alone")
+
+    p = sub.add_parser("submit", help="validate a pipeline, then submit its stages as chained "
+                                      "Slurm jobs")
+    add_pipeline_args(p)
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate and print the plan and the sbatch scripts; submit nothing")
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("run", help="run a pipeline on this machine, stage after stage, no Slurm")
+    add_pipeline_args(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("render", help="print the sbatch script of every stage")
+    add_pipeline_args(p)
+    p.add_argument("--check-paths", action="store_true",
+                   help="also check that data and warm-start paths exist (as submit does)")
+    p.set_defaults(func=cmd_render)
+
+    p = sub.add_parser("status", help="stage, job, Slurm state, step, loss, checkpoint, requeues")
+    p.add_argument("root", help="pipeline directory (holds pipeline.json)")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("cancel", help="scancel every queued or running job of a pipeline")
+    p.add_argument("root", help="pipeline directory (holds pipeline.json)")
+    p.set_defaults(func=cmd_cancel)
+
+    p = sub.add_parser("env", help="what a job sees: versions, GPUs, kernel caches, network")
+    env_sub = p.add_subparsers(dest="env_command", required=True)
+    p = env_sub.add_parser("probe", help="print the environment probe (also in launch-manifest.json)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--import-kernels", action="store_true",
+                   help="also import flash_attn, FA4, quack and triton to prove they load (slower)")
+    p.set_defaults(func=cmd_env_probe)
     return parser
 
 

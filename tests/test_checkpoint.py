@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.nn as nn
 
+import torch.distributed.checkpoint as ckpt_dcp
+
 import trainer.checkpoint as ckpt
 from trainer.checkpoint import (
     COMPLETE_FILE,
@@ -23,17 +25,17 @@ from trainer.checkpoint import (
     CheckpointError,
     CheckpointIncompatibleError,
     CheckpointManager,
-    ModelState,
-    OptimizerState,
-    Topology,
+    capture_rng_state,
     find_resume_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    model_state,
+    optimizer_state,
     prune_checkpoints,
+    restore_rng_state,
     save_checkpoint,
     validate_checkpoint,
 )
-from trainer.rng import capture_rng_state, restore_rng_state
 
 
 class Run:
@@ -46,7 +48,7 @@ class Run:
         self.step = 0
 
     def members(self) -> dict:
-        return {"transformer": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer)}
+        return {"transformer": model_state(self.model), "optimizer": optimizer_state(self.model, self.optimizer)}
 
     def train_step(self) -> float:
         # Python, NumPy and torch randomness all feed the batch, so all three must be restored.
@@ -64,14 +66,14 @@ class Run:
             output_dir,
             self.step,
             members=self.members(),
-            training_state={"step": self.step},
+            training_state={"step": self.step, "rng": capture_rng_state()},
             dataloader_state={"cursor": self.step * 10},
-            rng_state=capture_rng_state(),
             **kwargs,
         )
 
     def load(self, path: Path, **kwargs):
-        return load_checkpoint(path, self.members(), **kwargs)
+        self.training_state, self.cursor = load_checkpoint(path, self.members(), **kwargs)
+        self.step = self.training_state["step"]
 
 
 def save_steps(output_dir: Path, steps: list[int], seed: int = 0, **kwargs) -> Run:
@@ -83,7 +85,7 @@ def save_steps(output_dir: Path, steps: list[int], seed: int = 0, **kwargs) -> R
     return run
 
 
-def resume(output_dir: Path, seed: int = 99):
+def resume(output_dir: Path, seed: int = 99) -> tuple[Run, Path | None]:
     run = Run(seed)
     return run, find_resume_checkpoint(output_dir, run.load)
 
@@ -104,12 +106,11 @@ def test_resumed_training_is_bit_identical_to_uninterrupted(tmp_path):
     random.seed(7)  # the resumed process starts from unrelated generator states
     np.random.seed(7)
     resumed, found = resume(tmp_path)
-    restore_rng_state(found.loaded.rng_state)
+    assert found == tmp_path / "checkpoint-3"
+    assert resumed.step == 3 and resumed.cursor == {"cursor": 30}
+    restore_rng_state(resumed.training_state["rng"])
     losses = [resumed.train_step() for _ in range(4)]
 
-    assert found.step == 3
-    assert found.loaded.training_state == {"step": 3}
-    assert found.loaded.dataloader_state == {"cursor": 30}
     assert losses == expected_losses
     for got, want in zip(resumed.model.parameters(), expected_params):
         assert torch.equal(got, want)
@@ -132,8 +133,37 @@ def test_save_publishes_marker_listing_every_file_with_its_size(tmp_path):
 def test_training_state_is_loadable_with_weights_only(tmp_path):
     save_steps(tmp_path, [1])
     payload = torch.load(tmp_path / "checkpoint-1" / "training_state.pt", weights_only=True)
-    assert payload["state"] == {"step": 1}
-    assert len(payload["rng_per_rank"]) == 1
+    assert payload["state"]["step"] == 1
+    assert set(payload["state"]["rng"]) >= {"python", "numpy", "torch_cpu", "cuda"}
+
+
+def test_optimizer_param_groups_are_restored_not_only_its_tensors(tmp_path):
+    saved = save_steps(tmp_path, [1])
+    for group in saved.optimizer.param_groups:
+        group["lr"] = 0.123
+    saved.save(tmp_path / "b")
+    fresh = Run(5)
+    fresh.load(tmp_path / "b" / "checkpoint-1")
+    assert [g["lr"] for g in fresh.optimizer.param_groups] == [0.123]
+    assert torch.equal(fresh.optimizer.state_dict()["state"][0]["exp_avg"],
+                       saved.optimizer.state_dict()["state"][0]["exp_avg"])
+
+
+def test_members_may_be_plain_state_dicts_and_dicts_of_optimizers(tmp_path):
+    run = Run(0)
+    run.train_step()
+    ema = {k: v.detach().clone() + 1 for k, v in run.model.state_dict().items()}
+    members = {"transformer": model_state(run.model), "ema": ema,
+               "optimizer": {"transformer": optimizer_state(run.model, run.optimizer)}}
+    save_checkpoint(tmp_path, 1, members=members, training_state={"step": 1}, dataloader_state=None,
+                    extra_files={"resolved-config.json": '{"lr": 1}'})
+    assert (tmp_path / "checkpoint-1" / "resolved-config.json").read_text() == '{"lr": 1}'
+    fresh = Run(7)
+    fresh_ema = {k: torch.zeros_like(v) for k, v in ema.items()}
+    load_checkpoint(tmp_path / "checkpoint-1", {"transformer": model_state(fresh.model), "ema": fresh_ema,
+                    "optimizer": {"transformer": optimizer_state(fresh.model, fresh.optimizer)}})
+    assert all(torch.equal(fresh_ema[k], ema[k]) for k in ema)
+    assert fresh.optimizer.state_dict()["state"][0]["step"] == 1
 
 
 def test_save_rejects_training_state_that_needs_pickle(tmp_path):
@@ -152,7 +182,7 @@ def test_failed_save_leaves_no_partial_checkpoint_and_keeps_earlier_ones(tmp_pat
     def broken_save(*args, **kwargs):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(ckpt.dcp, "save", broken_save)
+    monkeypatch.setattr(ckpt_dcp, "save", broken_save)
     run.train_step()
     with pytest.raises(CheckpointError, match="No space left"):
         run.save(tmp_path)
@@ -217,7 +247,7 @@ def test_resume_falls_back_to_previous_and_quarantines_corrupt_latest(tmp_path, 
     corrupt(tmp_path / "checkpoint-2")
     with caplog.at_level(logging.WARNING):
         _, found = resume(tmp_path)
-    assert found.step == 1
+    assert found == tmp_path / "checkpoint-1"
     assert (tmp_path / "checkpoint-2.bad" / QUARANTINE_REASON_FILE).is_file()
     assert not (tmp_path / "checkpoint-2").exists()
     assert "quarantined checkpoint-2" in caplog.text
@@ -229,7 +259,7 @@ def test_resume_skips_directory_without_marker_and_leaves_it_alone(tmp_path, cap
     (tmp_path / "checkpoint-3").mkdir()  # empty directory
     with caplog.at_level(logging.WARNING):
         _, found = resume(tmp_path)
-    assert found.step == 1
+    assert found == tmp_path / "checkpoint-1"
     assert (tmp_path / "checkpoint-2").is_dir() and (tmp_path / "checkpoint-3").is_dir()
     assert "checkpoint-3 has no COMPLETE marker" in caplog.text
     assert list_checkpoints(tmp_path) == [tmp_path / "checkpoint-1"]
@@ -259,7 +289,7 @@ def test_resume_returns_none_for_a_new_output_dir(tmp_path):
 def test_resume_removes_unfinished_saves_once_resumed(tmp_path):
     save_steps(tmp_path, [1])
     (tmp_path / "checkpoint-2.tmp").mkdir()
-    assert resume(tmp_path)[1].step == 1
+    assert resume(tmp_path)[1] == tmp_path / "checkpoint-1"
     assert not (tmp_path / "checkpoint-2.tmp").exists()
 
 
@@ -285,9 +315,8 @@ def test_load_requires_every_declared_member(tmp_path):
 def test_topology_mismatch_names_both_values(tmp_path):
     save_steps(tmp_path, [1])
     run = Run(5)
-    other = Topology(world_size=4, dp_world=2, dp_rank=0, cp_size=2)
     with pytest.raises(CheckpointIncompatibleError) as err:
-        run.load(tmp_path / "checkpoint-1", topology=other)
+        run.load(tmp_path / "checkpoint-1", dp_rank=0, dp_world=2, cp_size=2)
     message = str(err.value)
     assert "dp_world=1, cp_size=1" in message and "dp_world=2, cp_size=2" in message
     assert "resume_data_state=false" in message
@@ -296,10 +325,8 @@ def test_topology_mismatch_names_both_values(tmp_path):
 def test_resume_data_state_false_bypasses_topology_check(tmp_path):
     saved = save_steps(tmp_path, [1])
     run = Run(5)
-    other = Topology(world_size=2, dp_world=2, dp_rank=1)
-    loaded = run.load(tmp_path / "checkpoint-1", topology=other, resume_data_state=False)
-    assert loaded.dataloader_state is None
-    assert loaded.rng_state is None  # saved by one rank, read by two: not restorable
+    run.load(tmp_path / "checkpoint-1", dp_rank=1, dp_world=2, resume_data_state=False)
+    assert run.cursor is None and run.step == 1
     for got, want in zip(run.model.parameters(), saved.model.parameters()):
         assert torch.equal(got, want)
 
@@ -350,7 +377,7 @@ def test_failed_delete_is_logged_and_training_goes_on(tmp_path, monkeypatch, cap
 
 
 def test_async_manager_keeps_at_most_one_save_in_flight(tmp_path, monkeypatch):
-    real_save = ckpt.dcp.save
+    real_save = ckpt_dcp.save
     lock = threading.Lock()
     saves_in_flight = {"now": 0, "max": 0}
     real_commit = ckpt._write_and_commit
@@ -369,14 +396,14 @@ def test_async_manager_keeps_at_most_one_save_in_flight(tmp_path, monkeypatch):
             with lock:
                 saves_in_flight["now"] -= 1
 
-    monkeypatch.setattr(ckpt.dcp, "save", slow_save)
+    monkeypatch.setattr(ckpt_dcp, "save", slow_save)
     monkeypatch.setattr(ckpt, "_write_and_commit", counting_commit)
     run = Run(0)
     with CheckpointManager(tmp_path, async_save=True, save_total_limit=2) as manager:
         for _ in range(3):
             run.train_step()
             manager.save(run.step, members=run.members(), training_state={"step": run.step},
-                         dataloader_state={"cursor": run.step}, rng_state=capture_rng_state())
+                         dataloader_state={"cursor": run.step})
             assert manager.in_flight
         manager.wait()
         assert not manager.in_flight
@@ -400,6 +427,7 @@ def test_async_save_writes_the_state_at_save_time_not_later(tmp_path):
         path = manager.wait()
     fresh = Run(3)
     fresh.load(path)
+    assert fresh.step == 1
     for key, value in fresh.model.state_dict().items():
         assert torch.equal(value, expected[key])
 
@@ -408,7 +436,7 @@ def test_async_save_failure_is_raised_by_wait(tmp_path, monkeypatch):
     def broken_save(*args, **kwargs):
         raise OSError("disk quota exceeded")
 
-    monkeypatch.setattr(ckpt.dcp, "save", broken_save)
+    monkeypatch.setattr(ckpt_dcp, "save", broken_save)
     run = Run(0)
     manager = CheckpointManager(tmp_path, async_save=True)
     manager.save(0, members=run.members(), training_state={}, dataloader_state={})

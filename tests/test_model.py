@@ -248,7 +248,7 @@ def test_two_time_adds_exactly_the_r_embedder_keys():
     two = copy.deepcopy(fm)
     two.enable_two_time()
     extra = set(two.state_dict()) - set(fm.state_dict())
-    assert extra and all(k.startswith("r_embedder.") for k in extra)
+    assert extra == {f"r_embedder.linear_{i}.{p}" for i in (1, 2) for p in ("weight", "bias")}
     assert set(fm.state_dict()) <= set(two.state_dict())
     student = tiny()
     student.load_state_dict({k: v for k, v in two.state_dict().items() if not k.startswith("r_embedder.")})
@@ -268,10 +268,10 @@ def test_text_states_do_not_depend_on_the_video(monkeypatch):
     seen = []
     original = DiTBlock.forward_text
 
-    def spy(self, txt, mask, need_output=True):
-        out = original(self, txt, mask, need_output)
-        seen.append(out)
-        return out
+    def spy(self, *args, **kwargs):
+        txt, k, v = original(self, *args, **kwargs)
+        seen.append((txt, (k, v)))
+        return txt, k, v
 
     monkeypatch.setattr(DiTBlock, "forward_text", spy)
     x, t, text = inputs(seed=1)
@@ -281,9 +281,12 @@ def test_text_states_do_not_depend_on_the_video(monkeypatch):
     seen.clear()
     model(x2, t * 0.3, text)
     assert len(first) == len(seen) == 2
-    for (txt_a, k_a, v_a), (txt_b, k_b, v_b) in zip(first, seen):
+    for (txt_a, (k_a, v_a)), (txt_b, (k_b, v_b)) in zip(first, seen):
         assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
         assert (txt_a is None and txt_b is None) or torch.equal(txt_a, txt_b)
+    # and the cache computes the same text K/V from the caption alone
+    cache = model.new_kv_cache(text)
+    assert all(torch.equal(a[0], b[0]) for (_, a), b in zip(first, cache.text_kv))
 
 
 def test_padded_text_tokens_do_not_change_outputs():
@@ -317,3 +320,10 @@ def test_per_frame_time_reads_the_first_frame_of_each_patch_frame():
     t3[:, 4] = 200.0
     change = per_chunk_change(model(x, t3, text), model(x, t, text), 2, 6)
     assert change[2] > 1e-6
+
+
+def test_causal_model_with_a_maskless_backend_is_rejected_early():
+    with pytest.raises(ValueError, match="sdpa"):
+        DiTConfig(causal_chunk_size=2, attention_backend="flash_attn")
+    with pytest.raises(ValueError, match="unknown"):
+        DiTConfig(attention_backend="flashy")

@@ -5,6 +5,7 @@ ALGORITHMS.md §10.3 items 1-6, plus schedule shapes, state round trips and a de
 
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -387,9 +388,15 @@ def test_schedule_rejects_bad_settings():
     with pytest.raises(ValueError, match="constant, linear, cosine"):
         _mult(0, lr_scheduler_type="step")
     with pytest.raises(ValueError, match="decay step"):
-        _mult(0, warmup_steps=110)
+        _mult(0, lr_decay_steps=0)
     with pytest.raises(ValueError, match="floor"):
         _mult(0, lr_decay_floor_ratio=1.5)
+
+
+def test_run_shorter_than_warmup_still_gets_a_schedule():
+    # `--max_steps 20` on a config with 100 warm-up steps: warm-up is simply cut short.
+    values = [_mult(s, warmup_steps=100, max_steps=20) for s in range(20)]
+    assert values == sorted(values) and 0 < values[-1] <= 0.21
 
 
 def test_lr_scheduler_applies_multiplier_to_initial_lr():
@@ -445,7 +452,7 @@ def test_muon_on_single_rank_dtensor_matches_plain(tmp_path):
     _muon_on_sharded_matches_plain(0, 1, f"file://{tmp_path / 'store'}")
 
 
-@pytest.mark.skipif(not __import__("os").environ.get("RELAY_MULTIPROCESS_TESTS"),
+@pytest.mark.skipif(not os.environ.get("RELAY_MULTIPROCESS_TESTS"),
                     reason="spawns 2 gloo ranks (~20 s on 2 cores); set RELAY_MULTIPROCESS_TESTS=1")
 def test_muon_on_two_rank_sharded_weight_matches_plain(tmp_path):
     import torch.multiprocessing as mp

@@ -635,8 +635,9 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
     _check(args.train_timestep_shift > 0,
            f"`train_timestep_shift` must be > 0, got {args.train_timestep_shift}.")
     _check(args.max_grad_norm >= 0, "`max_grad_norm` must be >= 0 (0 disables clipping).")
-    _check(args.warmup_steps <= args.max_steps,
-           f"`warmup_steps` ({args.warmup_steps}) exceeds `max_steps` ({args.max_steps}).")
+    if args.warmup_steps > args.max_steps:
+        warnings.warn(f"`warmup_steps` ({args.warmup_steps}) exceeds `max_steps` "
+                      f"({args.max_steps}): the run ends before the LR reaches its peak.")
     if args.lr_decay_steps is not None:
         _check(args.lr_decay_steps >= 1, "`lr_decay_steps` must be >= 1 or null.")
     _check(args.data_path is not None,

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 __all__ = [
     "attention",
     "available_backends",
+    "backend_supports_mask",
+    "known_backends",
     "register_backend",
     "block_causal_mask",
     "teacher_forcing_mask",
@@ -88,6 +90,19 @@ def _try_load(name: str) -> None:
 def known_backends() -> list[str]:
     """Every backend name `attention` accepts, available here or not."""
     return sorted(set(_REGISTRY) | set(_OPTIONAL))
+
+
+def backend_supports_mask(name: str) -> bool:
+    """Whether backend `name` accepts a mask (optional FlashAttention backends do not).
+
+    Answers without importing anything, so a login node can validate a config.
+    Raises ValueError for an unknown name.
+    """
+    if name in _REGISTRY:
+        return _REGISTRY[name].supports_mask
+    if name in _OPTIONAL:
+        return False
+    raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(known_backends())}")
 
 
 def available_backends() -> list[str]:

@@ -40,8 +40,6 @@ from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -72,7 +70,13 @@ from trainer.checkpoint_layout import (
     validate_checkpoint,
     write_durably,
 )
-from trainer.dcp_io import distributed_active, iter_tensor_leaves, load_dcp_in_place, read_dcp_tensor_shapes
+from trainer.dcp_io import (
+    distributed_active,
+    iter_tensor_leaves,
+    load_dcp_in_place,
+    read_dcp_tensor_shapes,
+    save_dcp,
+)
 from trainer.rng import capture_rng_state, restore_rng_state
 from trainer.warm_start import export_weights, load_warm_start
 
@@ -357,16 +361,8 @@ def _write_and_commit(job: _SaveJob) -> Path:
 
     _run_phase(job, "create the temporary directory", prepare if is_rank0 else None)
     for name, state in job.members.items():
-        _run_phase(
-            job,
-            f"write member {name!r}",
-            lambda state=state, name=name: dcp.save(
-                state,
-                storage_writer=FileSystemWriter(str(tmp / name), sync_files=True),
-                process_group=group,
-                no_dist=not distributed_active(),
-            ),
-        )
+        _run_phase(job, f"write member {name!r}",
+                   lambda state=state, name=name: save_dcp(state, tmp / name, process_group=group))
 
     def write_small_files() -> None:
         if is_rank0:
@@ -656,7 +652,43 @@ def load_checkpoint(
     exception when a file is corrupt.
     """
     path = Path(path)
-    info = read_complete(path)
+    # Stateful members produce their state dicts on every rank, before any rank can fail.
+    expanded = {name: _expand_member(member) for name, member in members.items()}
+
+    def check() -> None:
+        info = read_complete(path)
+        _check_compatible(path, info, members, dp_world, cp_size, resume_data_state, config_digest)
+        for name, (state, _) in expanded.items():
+            _check_member_shapes(path / name, state)
+
+    # Every rank checks, then all agree, so that no rank enters DCP's collectives alone.
+    _raise_if_any_rank_failed(_attempt(check), process_group)
+    for name, (state, finishers) in expanded.items():
+        load_dcp_in_place(state, path / name, process_group=process_group)  # DCP agrees on errors itself
+
+        def finish(finishers=finishers) -> None:
+            for apply in finishers:
+                apply()
+
+        _raise_if_any_rank_failed(_attempt(finish), process_group)
+
+    # Rank-local reads last: no collective follows, so a failure here cannot strand other ranks.
+    payload = torch.load(path / TRAINING_STATE_FILE, map_location="cpu", weights_only=True)
+    if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path / TRAINING_STATE_FILE} is not a training state of format {CHECKPOINT_FORMAT}")
+    cursor = None
+    if resume_data_state:
+        cursor_file = path / DATALOADER_DIR / f"{dp_rank}.json"
+        try:
+            cursor = json.loads(cursor_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"data cursor {cursor_file} is unreadable: {exc}") from exc
+    return payload["state"], cursor
+
+
+def _check_compatible(path: Path, info: dict[str, Any], members: Mapping[str, Any], dp_world: int,
+                      cp_size: int, resume_data_state: bool, config_digest: str | None) -> None:
+    """Raise CheckpointIncompatibleError if this run cannot use the checkpoint described by `info`."""
     absent = [name for name in members if name not in info["members"]]
     if absent:
         raise CheckpointIncompatibleError(
@@ -679,25 +711,34 @@ def load_checkpoint(
     if unused:
         log.info("%s: not loading member(s) %s (this run does not use them)", path.name, unused)
 
-    expanded = {name: _expand_member(member) for name, member in members.items()}
-    for name, (state, _) in expanded.items():
-        _check_member_shapes(path / name, state)
-    for name, (state, finishers) in expanded.items():
-        load_dcp_in_place(state, path / name, process_group=process_group)
-        for finish in finishers:
-            finish()
 
-    payload = torch.load(path / TRAINING_STATE_FILE, map_location="cpu", weights_only=True)
-    if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{path / TRAINING_STATE_FILE} is not a training state of format {CHECKPOINT_FORMAT}")
-    cursor = None
-    if resume_data_state:
-        cursor_file = path / DATALOADER_DIR / f"{dp_rank}.json"
-        try:
-            cursor = json.loads(cursor_file.read_text())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"data cursor {cursor_file} is unreadable: {exc}") from exc
-    return payload["state"], cursor
+def _attempt(action: Callable[[], None]) -> Exception | None:
+    try:
+        action()
+    except Exception as exc:  # noqa: BLE001 - handed to _raise_if_any_rank_failed
+        return exc
+    return None
+
+
+def _raise_if_any_rank_failed(local: Exception | None, group: dist.ProcessGroup | None) -> None:
+    """Raise on every rank if `local` is an error on any rank (one process: re-raise it as is).
+
+    The error is CheckpointIncompatibleError if any rank found the configuration does not fit,
+    else CheckpointError; its message names each failing rank.
+    """
+    if not distributed_active():
+        if local is not None:
+            raise local
+        return
+    kind = None if local is None else ("incompatible" if isinstance(local, CheckpointIncompatibleError) else "failed")
+    outcomes = _all_gather(None if local is None else (kind, _describe(local)), group)
+    failures = [(rank, o) for rank, o in enumerate(outcomes) if o is not None]
+    if not failures:
+        return
+    message = "; ".join(f"rank {rank}: {text}" for rank, (_, text) in failures)
+    if any(k == "incompatible" for _, (k, _) in failures):
+        raise CheckpointIncompatibleError(message) from local
+    raise CheckpointError(message) from local
 
 
 def _check_member_shapes(dcp_dir: Path, state: Any) -> None:
@@ -740,6 +781,10 @@ def find_resume_checkpoint(
     reason logged, and the next older one is tried. Directories `checkpoint-<step>` without
     COMPLETE are reported and never loaded. After a successful load rank 0 removes leftover
     `.tmp` directories (unfinished saves). A collective when a process group is initialised.
+
+    `load_fn` must not fail on one rank before a collective the others enter (they would
+    wait forever): `load_checkpoint` agrees internally, so do rank-local work that may fail
+    (applying data cursors, say) after it returns.
 
     Returns None only when `output_dir` never held a checkpoint (a fresh start). Raises
     CheckpointError when checkpoints exist (complete, unmarked, unfinished or quarantined) but

@@ -9,6 +9,7 @@ Everything that reads a DCP directory in relay goes through here.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import warnings
@@ -18,7 +19,8 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     Metadata,
@@ -123,6 +125,49 @@ def distributed_active() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+class DCPError(RuntimeError):
+    """A DCP save or load failed on one or more ranks.
+
+    DCP raises CheckpointException, a BaseException that `except Exception` does not catch;
+    every call here turns it into this ordinary exception, naming each failing rank.
+    """
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
+@contextlib.contextmanager
+def _dcp_errors(what: str, dcp_dir: str | os.PathLike) -> Iterator[None]:
+    try:
+        yield
+    except CheckpointException as exc:
+        details = "; ".join(
+            f"rank {rank}: {type(err).__name__}: {_first_line(err)}" for rank, (err, _) in sorted(exc.failures.items())
+        )
+        raise DCPError(f"{what} {dcp_dir} failed: {details}") from exc
+
+
+def save_dcp(
+    state_dict: dict[str, Any],
+    dcp_dir: str | os.PathLike,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Write `state_dict` as a DCP directory, every file fsynced. A collective under a process group.
+
+    Raises DCPError on every rank if any rank failed to write.
+    """
+    with _dcp_errors("saving", dcp_dir):
+        dcp.save(
+            state_dict,
+            storage_writer=FileSystemWriter(str(dcp_dir), sync_files=True),
+            process_group=process_group,
+            no_dist=not distributed_active(),
+        )
+
+
 def load_dcp_in_place(
     state_dict: dict[str, Any],
     dcp_dir: str | os.PathLike,
@@ -132,15 +177,17 @@ def load_dcp_in_place(
     """Fill `state_dict` (tensors, DTensors and nested dicts/lists) in place from a DCP directory.
 
     A collective when a process group is initialised: every rank of `process_group` must call it.
-    Raises whatever DCP raises for a missing key, a shape mismatch or an unreadable shard.
+    Raises DCPError on every rank for a missing key, a shape mismatch or an unreadable shard on
+    any rank.
     """
-    dcp.load(
-        state_dict,
-        storage_reader=SafeFileSystemReader(str(dcp_dir)),
-        planner=SafeLoadPlanner(),
-        process_group=process_group,
-        no_dist=not distributed_active(),
-    )
+    with _dcp_errors("loading", dcp_dir):
+        dcp.load(
+            state_dict,
+            storage_reader=SafeFileSystemReader(str(dcp_dir)),
+            planner=SafeLoadPlanner(),
+            process_group=process_group,
+            no_dist=not distributed_active(),
+        )
 
 
 def read_dcp_state_dict(dcp_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -148,16 +195,17 @@ def read_dcp_state_dict(dcp_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
 
     For export and offline inspection: this process reads all shards, whatever the number of
     ranks that wrote them, and needs no process group. Non-tensor entries are skipped: a
-    model's state dict has none.
+    model's state dict has none. Raises DCPError for an unreadable shard.
     """
     shapes = read_dcp_tensor_shapes(dcp_dir)
     state = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in shapes.items()}
-    dcp.load(
-        state,
-        storage_reader=SafeFileSystemReader(str(dcp_dir)),
-        planner=SafeLoadPlanner(),
-        no_dist=True,
-    )
+    with _dcp_errors("reading", dcp_dir):
+        dcp.load(
+            state,
+            storage_reader=SafeFileSystemReader(str(dcp_dir)),
+            planner=SafeLoadPlanner(),
+            no_dist=True,
+        )
     return state
 
 

@@ -315,7 +315,9 @@ def _resolve_decay_steps(lr_scheduler_type: str, warmup_steps: int, max_steps: i
         raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
     if not 0.0 <= lr_decay_floor_ratio <= 1.0:
         raise ValueError(f"lr_decay_floor_ratio must lie in [0, 1], got {lr_decay_floor_ratio}")
-    decay_steps = max_steps - warmup_steps if lr_decay_steps is None else lr_decay_steps
+    # A run shortened below its warm-up (a smoke test with --max_steps 20) still gets a valid
+    # schedule: warm-up is cut by the end of the run and decay has one nominal step.
+    decay_steps = max(1, max_steps - warmup_steps) if lr_decay_steps is None else lr_decay_steps
     if lr_scheduler_type != "constant" and decay_steps < 1:
         raise ValueError(
             f"a {lr_scheduler_type} schedule needs at least one decay step; got "

@@ -93,8 +93,8 @@ class FlowMatchingStage(Stage):
         self.device = device
         self.tokens_per_sample = 0
         null_text, null_mask = text_encoder.null_embedding()
-        self.null_text = null_text.to(device)
-        self.null_mask = null_mask.to(device)
+        self.null_text = null_text[0].to(device)  # [L, D]: one null caption
+        self.null_mask = null_mask[0].to(device)
 
     def train_step(self, step: int) -> dict[str, float]:
         args = self.args

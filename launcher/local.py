@@ -1,0 +1,98 @@
+"""`relay run`: the same pipeline on this machine, without Slurm.
+
+Each selected stage runs as a plain child process, `python -m trainer.train <argv>`, with the
+argv `relay submit` would give the job, in the directory relay runs in; one after the other,
+stopping at the first that does not complete. A child process (rather than submitit's local
+executor) keeps train.py's progress on this terminal, Ctrl-C reaching it, and its exit code
+the stage's verdict. pipeline.json is written as for a submission, with job_id null.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+from launcher.pipeline import Pipeline, StageSpec
+from launcher.record import build_record, now_iso, read_record_if_any, write_record
+
+PREEMPTED = 75
+
+
+def train_command(stage: StageSpec, python: str = sys.executable) -> list[str]:
+    """The child process of a stage: train.py through `-m`, so the repository need not be on PATH."""
+    return [python, "-m", "trainer.train", *stage.train_argv]
+
+
+def explain_exit(stage: StageSpec, code: int, pipeline_path: str) -> str:
+    """The message `relay run` prints when a stage ends with a non-zero code."""
+    out = Path(stage.output_dir)
+    error = None
+    try:
+        error = json.loads((out / "run-result.json").read_text()).get("error")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        pass
+    if code == PREEMPTED:
+        return (f"stage {stage.name} was interrupted and saved a checkpoint in {out}. Resume "
+                f"with: relay run {shlex.quote(pipeline_path)} --from {stage.name}")
+    what = {2: "bad configuration", 1: "training failed"}.get(code, f"exit code {code}")
+    if code < 0:
+        what = f"killed by signal {-code}"
+    detail = f": {error}" if error else ""
+    return (f"stage {stage.name} failed ({what}){detail}. Later stages were not run. "
+            f"Log: {out / 'train.log'}")
+
+
+def describe_samples(stage: StageSpec) -> str:
+    """Where a stage's validation samples and scores are, or how to make them."""
+    out = Path(stage.output_dir)
+    manifests = []
+    for path in out.glob("samples/step-*/manifest.json"):
+        try:
+            manifests.append((int(path.parent.name.split("-", 1)[1]), path))
+        except ValueError:
+            continue
+    if not manifests:
+        return (f"{stage.name}: no validation samples in {out}; score it with "
+                f"`relay eval --checkpoint {shlex.quote(str(out))}`")
+    step, path = max(manifests)
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        manifest = {}
+    scores = []
+    for key, label in (("colour_accuracy", "colour"), ("direction_accuracy", "direction")):
+        value = manifest.get(key) if isinstance(manifest, dict) else None
+        if isinstance(value, (int, float)):
+            scores.append(f"{label} {value:.0%}")
+    score = f" ({', '.join(scores)})" if scores else ""
+    return f"{stage.name}: samples of step {step} in {path.parent}{score}"
+
+
+def run_pipeline_locally(pipeline: Pipeline, *, python: str = sys.executable,
+                         echo: Callable[[str], None] = print) -> int:
+    """Run the selected stages one after the other; return 0, or the failing stage's exit code."""
+    previous = read_record_if_any(pipeline.root)
+    launched: dict[str, dict] = {}
+    for stage in pipeline.stages:
+        launched[stage.name] = {"job_id": None, "sbatch": None, "launched_at": now_iso()}
+        write_record(pipeline.root, build_record(pipeline, launched, mode="local", previous=previous))
+        cmd = train_command(stage, python)
+        echo(f"relay run: stage {stage.name} -> {stage.output_dir}")
+        echo("  " + shlex.join(cmd))
+        try:
+            code = subprocess.run(cmd, cwd=pipeline.workdir).returncode
+        except KeyboardInterrupt:
+            echo(f"relay run: interrupted during stage {stage.name}.")
+            return 130
+        if code != 0:
+            echo(f"relay run: {explain_exit(stage, code, pipeline.path)}")
+            return code
+        echo(f"relay run: stage {stage.name} completed.")
+    echo("relay run: all stages completed. Samples and scores:")
+    for stage in pipeline.stages:
+        echo("  " + describe_samples(stage))
+    return 0

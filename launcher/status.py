@@ -1,0 +1,199 @@
+"""What each stage of a pipeline root is doing: Slurm's view plus what its output_dir says.
+
+`collect_status(root)` reads `<root>/pipeline.json`, asks Slurm about the recorded jobs and
+reads each output_dir (metrics.jsonl, run-result.json, checkpoints); `render_status_table` turns
+that into the table `relay status` prints. Nothing here changes any state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from launcher.record import read_record
+from launcher.slurm import ACTIVE_STATES, SLURM_DIR, JobInfo, query_jobs
+
+FAILED_STATES = frozenset({"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+                           "BOOT_FAIL", "DEADLINE", "PREEMPTED"})
+
+
+@dataclasses.dataclass
+class StageStatus:
+    """One row of `relay status`."""
+
+    name: str
+    job_id: str | None
+    state: str
+    step: int | None
+    max_steps: int | None
+    loss: float | None
+    checkpoint: str | None
+    requeues: int | None
+    elapsed: str | None
+    reason: str | None = None  # why it failed or did not run (None when fine)
+    log: str | None = None  # the log to read first
+
+
+def read_last_json_line(path: Path, max_bytes: int = 65536) -> dict[str, Any] | None:
+    """The last complete JSON object of a JSON-lines file (None when there is none)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    for line in reversed(tail.splitlines()):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line being written, or cut by the tail window
+        if isinstance(value, dict):
+            return value
+    return None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """What an output_dir says about its run."""
+
+    step: int | None
+    max_steps: int | None
+    loss: float | None
+    checkpoint: str | None
+    result: dict[str, Any] | None  # run-result.json
+
+
+def read_progress(output_dir: str | os.PathLike, max_steps: int | None = None) -> Progress:
+    """Step and loss (metrics.jsonl / run-result.json), max_steps, newest complete checkpoint."""
+    from trainer.checkpoint_layout import list_checkpoints
+
+    out = Path(output_dir)
+    metrics = read_last_json_line(out / "metrics.jsonl")
+    result = _read_json(out / "run-result.json")
+    config = _read_json(out / "resolved-config.json")
+    if config and isinstance(config.get("max_steps"), int):
+        max_steps = config["max_steps"]
+    step = metrics.get("step") if metrics else None
+    if result and isinstance(result.get("step"), int) and (step is None or result["step"] > step):
+        step = result["step"]
+    loss = metrics.get("loss") if metrics else None
+    try:
+        checkpoints = list_checkpoints(out)
+    except OSError:
+        checkpoints = []
+    return Progress(step=step, max_steps=max_steps, loss=loss if isinstance(loss, (int, float)) else None,
+                    checkpoint=checkpoints[-1].name if checkpoints else None, result=result)
+
+
+def find_log(output_dir: str | os.PathLike, job_id: str | None) -> str | None:
+    """The log to read first: rank 0's Slurm log of the job, else train.log."""
+    out = Path(output_dir)
+    if job_id:
+        log = out / SLURM_DIR / f"{job_id}_0_log.out"
+        if log.exists():
+            return str(log)
+    if (out / "train.log").exists():
+        return str(out / "train.log")
+    return None
+
+
+def stage_status(name: str, entry: dict[str, Any], job: JobInfo | None,
+                 dependency_states: dict[str, str]) -> StageStatus:
+    """Combine pipeline.json's entry, Slurm's JobInfo and the output_dir into one row."""
+    out = entry.get("output_dir", "")
+    job_id = entry.get("job_id")
+    progress = read_progress(out, entry.get("max_steps"))
+    result = progress.result or {}
+    if job_id:
+        state = job.state if job else "UNKNOWN"
+    elif result.get("status"):
+        state = str(result["status"]).upper()
+    elif progress.step is not None:
+        state = "STARTED"  # relay run: metrics but no result yet (running, or killed)
+    else:
+        state = "NOT RUN"
+    row = StageStatus(name=name, job_id=job_id, state=state, step=progress.step,
+                      max_steps=progress.max_steps, loss=progress.loss,
+                      checkpoint=progress.checkpoint, requeues=job.requeues if job else None,
+                      elapsed=job.elapsed if job else None)
+    if state in FAILED_STATES or state == "UNKNOWN":
+        row.reason, row.log = explain_failure(state, job, result, entry, dependency_states), find_log(out, job_id)
+    return row
+
+
+def explain_failure(state: str, job: JobInfo | None, result: dict[str, Any],
+                    entry: dict[str, Any], dependency_states: dict[str, str]) -> str:
+    """One line saying why a stage failed or never ran."""
+    reason = job.reason if job else None
+    deps = [d for d in entry.get("depends_on", []) if dependency_states.get(d) != "COMPLETED"]
+    if state == "CANCELLED" and (reason == "DependencyNeverSatisfied" or (deps and result == {})):
+        return (f"not run: {', '.join(deps) or 'its dependency'} did not complete "
+                f"(Slurm: {reason or 'cancelled'})")
+    if state == "UNKNOWN":
+        return "Slurm does not know this job (too old for sacct, or another cluster)"
+    if result.get("status") == "failed" and result.get("error"):
+        return f"train.py: {result['error']}"
+    if result.get("status") == "preempted" and state != "PREEMPTED":
+        return (f"Slurm {state} after a preemption save at step {result.get('step')}; "
+                f"resubmit with --from")
+    parts = [f"Slurm {state}"]
+    if job and job.exit_code:
+        parts.append(f"exit {job.exit_code}")
+    if reason:
+        parts.append(reason)
+    return ", ".join(parts)
+
+
+def collect_status(root: str | os.PathLike) -> list[StageStatus]:
+    """Every stage of `<root>/pipeline.json`, in pipeline order. Raises RecordError."""
+    record = read_record(root)
+    stages = record["stages"]
+    jobs = query_jobs([e.get("job_id") for e in stages.values() if e.get("job_id")])
+    rows: list[StageStatus] = []
+    states: dict[str, str] = {}
+    for name, entry in stages.items():
+        row = stage_status(name, entry, jobs.get(str(entry.get("job_id"))), states)
+        states[name] = row.state
+        rows.append(row)
+    return rows
+
+
+def render_status_table(rows: list[StageStatus]) -> str:
+    """The table, then one line per failed stage with its reason and log."""
+    header = ["stage", "job", "state", "step", "loss", "checkpoint", "requeues", "elapsed"]
+    table = [header]
+    for r in rows:
+        step = f"{r.step if r.step is not None else '-'}/{r.max_steps if r.max_steps is not None else '-'}"
+        table.append([r.name, r.job_id or "-", r.state, step,
+                      f"{r.loss:.4f}" if r.loss is not None else "-", r.checkpoint or "-",
+                      str(r.requeues) if r.requeues is not None else "-", r.elapsed or "-"])
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
+    for r in rows:
+        if r.reason:
+            lines.append("")
+            lines.append(f"{r.name}: {r.reason}")
+            if r.log:
+                lines.append(f"{r.name}: log {r.log}")
+    return "\n".join(lines)
+
+
+def active_jobs(rows: list[StageStatus]) -> list[StageStatus]:
+    """Rows whose Slurm job is still queued or running."""
+    return [r for r in rows if r.job_id and r.state in ACTIVE_STATES]

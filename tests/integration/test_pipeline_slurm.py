@@ -1,0 +1,261 @@
+"""`relay submit|status|cancel` and scripts/<stage>.sh against the real local Slurm cluster.
+
+Tiny runs only: 64 synthetic clips, batch 4, a handful of steps. Each test gives its jobs a
+unique name prefix so that other jobs on the cluster never confuse it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launcher.pipeline import validate_pipeline
+from launcher.slurm import render_sbatch
+
+pytestmark = pytest.mark.slurm
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = {"train_batch_size": 4, "synthetic_num_samples": 64, "log_interval": 1, "warmup_steps": 1,
+        "save_total_limit": 0}
+FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED"}
+
+
+def relay(*args: str, env: dict | None = None, cwd: Path = ROOT, timeout: float = 300):
+    return subprocess.run([sys.executable, "-m", "launcher.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:8]}"
+
+
+def write_pipeline(tmp_path: Path, name: str, stages: dict, **cluster) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": name,
+        "root": str(tmp_path / "runs"),
+        "cluster": {"cpus_per_task": 1, "mem": "2G", "time": 10, "network": "none",
+                    "signal_lead_s": 60, **cluster},
+        "stages": stages,
+    }, sort_keys=False))
+    return path
+
+
+def stage(kind: str, tmp_path: Path, **overrides) -> dict:
+    return {"config": str(ROOT / f"config/tiny/{kind}.yaml"),
+            "overrides": {**TINY, "data_path": str(tmp_path / f"data-{kind}"), **overrides}}
+
+
+def sacct(job_ids: list[str], *fields: str) -> dict[str, list[str]]:
+    out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(job_ids), "-o",
+                          ",".join(("JobIDRaw",) + fields)], capture_output=True, text=True,
+                         timeout=60).stdout
+    return {line.split("|")[0]: line.split("|")[1:] for line in out.splitlines() if line}
+
+
+def wait_final(job_ids: list[str], timeout: float = 300) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    states: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        states = {j: (v[0].split() or [""])[0] for j, v in sacct(job_ids, "State").items()}
+        if all(states.get(j) in FINAL for j in job_ids):
+            return states
+        time.sleep(1)
+    raise AssertionError(f"jobs not final after {timeout} s: {states}")
+
+
+def wait_for_step(output_dir: Path, step: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    metrics = output_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if metrics.exists():
+            steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()
+                     if line.strip().endswith("}")]
+            if steps and max(steps) >= step:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"{metrics} did not reach step {step} within {timeout} s")
+
+
+def logged_steps(output_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def jobs_named(prefix: str) -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i|%j"], capture_output=True,
+                         text=True, timeout=60).stdout
+    queued = [line for line in out.splitlines() if line.split("|", 1)[-1].startswith(prefix)]
+    acct = subprocess.run(["sacct", "-X", "-n", "-P", "-S", "now-2hours", "-o", "JobIDRaw,JobName"],
+                          capture_output=True, text=True, timeout=60).stdout
+    return queued + [line for line in acct.splitlines() if line.split("|", 1)[-1].startswith(prefix)]
+
+
+def test_submit_chains_pretrain_into_sft_with_weights_secrets_and_hostile_names_inert(
+        slurm_cluster, tmp_path):
+    name = unique("relay-it-chain-")
+    marker = tmp_path / "pwned"
+    hostile = f"x; touch {marker}; $(touch {marker}) `touch {marker}`"
+    pretrain = stage("pretrain", tmp_path, max_steps=4, save_interval=2, wandb_run_name=hostile)
+    pretrain["job_name"] = f"{name}-pretrain {hostile}"
+    sft = stage("sft", tmp_path, max_steps=3,
+                pretrained_transformer_path="${stages.pretrain.output_dir}")
+    path = write_pipeline(tmp_path, name, {"pretrain": pretrain, "sft": sft},
+                          env={"RELAY_TEST_HOSTILE": hostile})
+    secret = "relay-it-secret-" + uuid.uuid4().hex
+    env = {**os.environ, "WANDB_API_KEY": secret}
+
+    proc = relay("submit", str(path), env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    root = tmp_path / "runs"
+    record = json.loads((root / "pipeline.json").read_text())
+    assert list(record["stages"]) == ["pretrain", "sft"]
+    ids = [record["stages"][s]["job_id"] for s in ("pretrain", "sft")]
+    assert all(ids) and record["stages"]["sft"]["depends_on"] == ["pretrain"]
+    assert wait_final(ids) == {ids[0]: "COMPLETED", ids[1]: "COMPLETED"}
+
+    # The kept script is the one Slurm ran; the chain and the weights are wired.
+    sft_script = Path(record["stages"]["sft"]["sbatch"])
+    assert f"#SBATCH --dependency=afterok:{ids[0]}" in sft_script.read_text().splitlines()
+    spec = validate_pipeline(path, cwd=tmp_path).stage("sft")
+    assert sft_script.read_text() == render_sbatch(spec, dependency=ids[0])
+    warm = json.loads((root / "sft" / "warm-start.json").read_text())
+    assert str(root / "pretrain" / "checkpoint-4") in json.dumps(warm["source"])
+    result = json.loads((root / "sft" / "run-result.json").read_text())
+    assert (result["status"], result["step"]) == ("completed", 3)
+
+    status = relay("status", str(root))
+    assert status.returncode == 0, status.stderr
+    rows = {line.split()[0]: line.split() for line in status.stdout.splitlines()[1:3]}
+    assert rows["pretrain"][2] == "COMPLETED" and rows["pretrain"][3] == "4/4"
+    assert rows["sft"][2] == "COMPLETED" and rows["sft"][3] == "3/3"
+
+    # Hostile names were data, never code; the secret reached the jobs only through the
+    # environment and was written nowhere.
+    assert not marker.exists()
+    assert json.loads((root / "pretrain" / "resolved-config.json").read_text())["wandb_run_name"] == hostile
+    log = (root / "pretrain" / "slurm" / f"{ids[0]}_0_log.out").read_text()
+    assert "WANDB_API_KEY: set (hidden)" in log
+    leaked = subprocess.run(["grep", "-rl", secret, str(tmp_path)], capture_output=True, text=True)
+    assert leaked.stdout == "", f"secret written to {leaked.stdout}"
+
+    # Now that pretrain has a checkpoint, `--from sft` validates without running pretrain.
+    again = relay("submit", str(path), "--from", "sft", "--dry-run", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "RESUMES" in again.stdout  # sft's own output_dir already holds checkpoints
+
+
+def test_usr2_saves_requeues_and_resumes_without_losing_or_repeating_a_step(
+        slurm_cluster, tmp_path):
+    name = unique("relay-it-requeue-")
+    steps = 60
+    path = write_pipeline(tmp_path, name, {"pretrain": stage(
+        "pretrain", tmp_path, max_steps=steps, save_interval=1000)}, max_requeues=2)
+    proc = relay("submit", str(path), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    root = tmp_path / "runs"
+    job = json.loads((root / "pipeline.json").read_text())["stages"]["pretrain"]["job_id"]
+    out = root / "pretrain"
+    wait_for_step(out, 3)
+    # What Slurm does signal_lead_s before the time limit: USR2 to every task of the step.
+    subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=60)
+    assert wait_final([job], timeout=400) == {job: "COMPLETED"}
+
+    assert logged_steps(out) == list(range(1, steps + 1))
+    log = (out / "slurm" / f"{job}_0_log.out").read_text()
+    assert "requeueing job" in log
+    saved = [p.name for p in out.glob("checkpoint-*")]
+    assert f"checkpoint-{steps}" in saved and len(saved) == 2, saved  # the preemption save + the last
+    status = relay("status", str(root)).stdout.splitlines()
+    assert status[1].split()[2:4] == ["COMPLETED", f"{steps}/{steps}"]
+    assert status[1].split()[6] == "1"  # one requeue
+
+
+def test_failed_stage_leaves_the_next_unrun_and_status_says_why(slurm_cluster, tmp_path):
+    name = unique("relay-it-fail-")
+    bad_data = tmp_path / "bad-data"
+    bad_data.mkdir()
+    (bad_data / "shard-00000.parquet").write_bytes(b"this is not parquet")
+    pretrain = stage("pretrain", tmp_path, max_steps=4, synthetic_data=False,
+                     data_path=str(bad_data))
+    sft = stage("sft", tmp_path, max_steps=3,
+                pretrained_transformer_path="${stages.pretrain.output_dir}")
+    path = write_pipeline(tmp_path, name, {"pretrain": pretrain, "sft": sft})
+    proc = relay("submit", str(path), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    root = tmp_path / "runs"
+    record = json.loads((root / "pipeline.json").read_text())
+    ids = [record["stages"][s]["job_id"] for s in ("pretrain", "sft")]
+    assert wait_final(ids) == {ids[0]: "FAILED", ids[1]: "CANCELLED"}
+    assert not (root / "sft" / "metrics.jsonl").exists()
+
+    status = relay("status", str(root)).stdout
+    assert "pretrain: train.py:" in status
+    assert f"pretrain: log {root / 'pretrain' / 'slurm' / (ids[0] + '_0_log.out')}" in status
+    assert "sft: not run: pretrain did not complete" in status
+
+
+def test_invalid_pipeline_submits_nothing(slurm_cluster, tmp_path):
+    name = unique("relay-it-invalid-")
+    good = stage("pretrain", tmp_path, max_steps=4)
+    bad = stage("sft", tmp_path, max_steps=3, learning_rat=1e-4,
+                pretrained_transformer_path="${stages.pretrain.output_dir}")
+    path = write_pipeline(tmp_path, name, {"pretrain": good, "sft": bad})
+    proc = relay("submit", str(path), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "stage sft:" in proc.stderr and "learning_rate" in proc.stderr
+    assert not (tmp_path / "runs" / "pipeline.json").exists()
+    assert jobs_named(name) == []
+
+
+def test_cancel_stops_every_queued_or_running_stage(slurm_cluster, tmp_path):
+    name = unique("relay-it-cancel-")
+    path = write_pipeline(tmp_path, name, {
+        "pretrain": stage("pretrain", tmp_path, max_steps=1000),
+        "sft": stage("sft", tmp_path, max_steps=3,
+                     pretrained_transformer_path="${stages.pretrain.output_dir}")})
+    assert relay("submit", str(path), cwd=tmp_path).returncode == 0
+    root = tmp_path / "runs"
+    ids = [v["job_id"] for v in json.loads((root / "pipeline.json").read_text())["stages"].values()]
+    busy = relay("submit", str(path), cwd=tmp_path)
+    assert busy.returncode == 2 and "still has job" in busy.stderr
+    proc = relay("cancel", str(root))
+    assert proc.returncode == 0 and proc.stdout.count("cancelled") == 2, proc.stdout
+    assert wait_final(ids, timeout=120) == {ids[0]: "CANCELLED", ids[1]: "CANCELLED"}
+
+
+def test_sbatch_script_applies_overrides_and_requeues_after_usr2_to_the_batch_shell(
+        slurm_cluster, tmp_path):
+    name = unique("relay-it-script-")
+    out = tmp_path / "run"
+    log = tmp_path / "job.out"
+    cmd = ["sbatch", "--parsable", f"--job-name={name}", "--nodes=1", "--ntasks-per-node=1",
+           "--gpus-per-node=0", "--cpus-per-task=1", "--mem=2G", "--time=10",
+           "--signal=B:USR2@60", f"--output={log}",
+           "scripts/pretrain.sh", "config/tiny/pretrain.yaml",
+           "--max_steps", "40", "--train_batch_size", "4", "--synthetic_num_samples", "64",
+           "--log_interval", "1", "--warmup_steps", "1", "--save_interval", "1000",
+           "--data_path", str(tmp_path / "data"), "--output_dir", str(out)]
+    env = {**os.environ, "RELAY_NETWORK": "none", "RELAY_PYTHON": sys.executable}
+    job = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True,
+                         timeout=60).stdout.strip().split(";")[0]
+    wait_for_step(out, 3)
+    # What --signal=B:USR2@lead does: the batch shell only; it must forward to the ranks.
+    subprocess.run(["scancel", "--batch", "--signal=USR2", job], check=True, timeout=60)
+    assert wait_final([job], timeout=400) == {job: "COMPLETED"}, log.read_text()
+
+    text = log.read_text()
+    assert "batch shell got SIGUSR2: forwarding it to the ranks" in text
+    assert "requeueing job" in text
+    config = json.loads((out / "resolved-config.json").read_text())
+    assert (config["max_steps"], config["train_batch_size"], config["synthetic_num_samples"]) == \
+        (40, 4, 64)
+    assert logged_steps(out) == list(range(1, 41))
+    assert (out / f"slurm-{job}.out").resolve() == log.resolve()

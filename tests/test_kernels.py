@@ -1,0 +1,147 @@
+"""trainer/kernels.py: the kernel-cache warm-up, on CPU with the tiny config at small shapes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainer.stages
+from trainer import kernels
+from trainer.args import resolve_config
+from trainer.synthetic import ensure_dataset
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "config" / "tiny" / "pretrain.yaml")
+SMALL = ["--train_batch_size", "2", "--synthetic_num_frames", "4", "--synthetic_height", "8",
+         "--synthetic_width", "8"]
+
+
+def _argv(tmp_path: Path, *extra: str) -> list[str]:
+    return ["--output_dir", str(tmp_path / "out"), "--data_path", str(tmp_path / "data"),
+            *SMALL, *extra]
+
+
+@pytest.fixture
+def captured_model(monkeypatch):
+    """The model the warm-up builds, with a copy of its initial weights."""
+    seen = {}
+    build = trainer.stages.build_model
+
+    def recording_build(args, device):
+        model = build(args, device)
+        seen["model"] = model
+        seen["initial"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return model
+
+    monkeypatch.setattr(trainer.stages, "build_model", recording_build)
+    return seen
+
+
+def test_warm_up_runs_one_forward_backward_at_the_stage_shapes_and_writes_nothing(
+        tmp_path, captured_model, caplog):
+    caplog.set_level(logging.INFO, logger="relay")
+    args = resolve_config(TINY, _argv(tmp_path))
+    report = kernels.warm_up_kernels(args, "cpu")
+
+    assert report["status"] == "ok" and report["stage"] == "fm"
+    assert report["shapes"] == {"batch": 2, "latent": [3, 4, 8, 8], "text_tokens": 8,
+                                "text_dim": 32, "video_tokens": 4 * 2 * 2}
+    assert math.isfinite(report["loss"])
+    timings = report["timings_s"]
+    assert timings["forward"] > 0 and timings["backward"] > 0
+    assert timings["total"] >= timings["forward"] + timings["backward"]
+    assert report["attention_backend"] == "sdpa" and report["compile_transformer"] is False
+    # the backward ran, and no optimizer stepped: every weight is still its initial value
+    model = captured_model["model"]
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, captured_model["initial"][name]), name
+    # neither the output_dir nor the synthetic dataset was created
+    assert not (tmp_path / "out").exists() and not (tmp_path / "data").exists()
+    messages = [r.getMessage() for r in caplog.records]
+    assert "autotuning may take minutes on a cold cache" in messages[0]
+    assert messages[-1].startswith("kernel warm-up: done")
+
+
+def test_latent_shape_comes_from_the_first_parquet_row(tmp_path):
+    data = tmp_path / "parquet"
+    ensure_dataset(data, 4, seed=0, num_frames=2, height=8, width=8)
+    args = resolve_config(TINY, ["--output_dir", str(tmp_path / "out"), "--data_path", str(data),
+                                 "--synthetic_data", "false", "--train_batch_size", "3"])
+    report = kernels.warm_up_kernels(args, "cpu")
+    assert report["shapes"]["latent"] == [3, 2, 8, 8]
+    assert report["shapes"]["batch"] == 3
+
+
+def test_compile_transformer_compiles_every_block_and_counts_the_cache_files_it_adds(
+        tmp_path, monkeypatch):
+    cache = tmp_path / "inductor"
+    cache.mkdir()
+    (cache / "old-kernel").write_text("x")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    compiled = []
+
+    def fake_compile(fn, **kwargs):
+        # stands in for Inductor: records what is compiled and leaves an artifact in the cache
+        compiled.append(fn.__name__)
+        (cache / f"kernel-{len(compiled)}").write_text("x")
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    args = resolve_config(TINY, _argv(tmp_path, "--compile_transformer", "true"))
+    report = kernels.warm_up_kernels(args, "cpu")
+
+    layers = args.transformer_config_overrides["num_layers"]
+    assert sorted(compiled) == sorted(["forward_text", "forward_video"] * layers)
+    assert report["compile_transformer"] is True
+    inductor = report["caches"]["TORCHINDUCTOR_CACHE_DIR"]
+    assert inductor == {"path": str(cache), "files_before": 1, "files_after": 1 + 2 * layers,
+                        "added": 2 * layers, "truncated": False}
+
+
+def test_a_long_step_logs_a_heartbeat(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="relay")
+    real_loss = kernels.STAGE_LOSSES["fm"]
+
+    def slow_loss(*args):
+        time.sleep(0.3)
+        return real_loss(*args)
+
+    monkeypatch.setitem(kernels.STAGE_LOSSES, "fm", slow_loss)
+    kernels.warm_up_kernels(resolve_config(TINY, _argv(tmp_path)), "cpu", heartbeat_s=0.05)
+    assert any("still in the forward pass" in r.getMessage() for r in caplog.records)
+
+
+def test_main_prints_the_report_and_writes_relay_warmup_report(tmp_path, monkeypatch, capsys):
+    target = tmp_path / "reports" / "warmup.json"
+    monkeypatch.setenv(kernels.REPORT_ENV, str(target))
+    assert kernels.main(["--config", TINY, *_argv(tmp_path), "--dry-run"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["status"] == "ok" and printed["config"] == TINY
+    assert json.loads(target.read_text()) == printed
+    assert not (tmp_path / "out").exists()
+
+
+def test_main_reports_a_failed_warm_up_with_exit_code_1(tmp_path, monkeypatch, capsys):
+    def broken(*args):
+        raise RuntimeError("CUDA out of memory (pretend)")
+
+    monkeypatch.setitem(kernels.STAGE_LOSSES, "fm", broken)
+    target = tmp_path / "warmup.json"
+    monkeypatch.setenv(kernels.REPORT_ENV, str(target))
+    assert kernels.main(["--config", TINY, *_argv(tmp_path)]) == 1
+    report = json.loads(target.read_text())
+    assert report["status"] == "failed"
+    assert report["error"] == "RuntimeError: CUDA out of memory (pretend)"
+    assert json.loads(capsys.readouterr().out) == report
+
+
+def test_main_rejects_a_bad_config_with_exit_code_2(tmp_path, capsys):
+    assert kernels.main(["--config", TINY, *_argv(tmp_path), "--learning_rat", "1"]) == 2
+    assert "learning_rate" in capsys.readouterr().err

@@ -1,0 +1,129 @@
+"""The rendered sbatch scripts: locked by golden files, quoted, free of secrets.
+
+Regenerate the golden files after an intended change with
+    RELAY_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_slurm_render.py
+and review the diff.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launcher.job import PREEMPTED, decide_after_exit
+from launcher.pipeline import validate_pipeline
+from launcher.slurm import REPO_ROOT, executor_parameters, render_sbatch
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "golden"
+FAKE_REPO = "/opt/relay"  # where the golden scripts pretend the repository lives
+FAKE_PYTHON = "/opt/relay/.venv/bin/python"
+
+
+def check_golden(name: str, text: str) -> None:
+    text = text.replace(str(REPO_ROOT), FAKE_REPO)
+    path = GOLDEN / name
+    if os.environ.get("RELAY_UPDATE_GOLDEN") == "1":
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"{path} missing: run with RELAY_UPDATE_GOLDEN=1 once and review it"
+    assert text == path.read_text(), f"rendered script differs from {path}"
+
+
+def test_golden_240_node_efa_stage():
+    pipeline = validate_pipeline(ROOT / "config/pipeline/production-example.yaml", only="pretrain",
+                                 cwd=ROOT, check_paths=False, python=FAKE_PYTHON)
+    check_golden("pretrain-240-node-efa.sbatch",
+                 render_sbatch(pipeline.stages[0], repo_root=FAKE_REPO))
+
+
+def test_golden_one_node_cpu_stage_with_dependency():
+    pipeline = validate_pipeline(ROOT / "config/pipeline/tiny.yaml", root="/runs/tiny", only="sft",
+                                 cwd=ROOT, check_paths=False, python=FAKE_PYTHON)
+    check_golden("tiny-sft-1-node.sbatch",
+                 render_sbatch(pipeline.stages[0], dependency="12345", repo_root=FAKE_REPO))
+
+
+def test_rendered_scripts_carry_the_preemption_and_chaining_options():
+    pipeline = validate_pipeline(ROOT / "config/pipeline/tiny.yaml", root="/runs/tiny", cwd=ROOT,
+                                 check_paths=False)
+    first, second = pipeline.stages
+    text = render_sbatch(second, dependency="77")
+    for line in ("#SBATCH --dependency=afterok:77", "#SBATCH --kill-on-invalid-dep=yes",
+                 "#SBATCH --requeue", "#SBATCH --signal=USR2@120", "#SBATCH --open-mode=append",
+                 "#SBATCH --ntasks-per-node=1", "export RELAY_NETWORK=none",
+                 "export RELAY_OUTPUT_DIR=/runs/tiny/sft"):
+        assert line in text.splitlines(), line
+    assert "--dependency" not in render_sbatch(first)
+    assert "kill-on-invalid-dep" not in render_sbatch(first)
+
+
+def test_preemption_signal_of_the_stage_is_what_slurm_sends(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({"stages": {"a": {
+        "config": str(ROOT / "config/tiny/pretrain.yaml"),
+        "overrides": {"preemption_signal": "SIGUSR1"}}}}))
+    stage = validate_pipeline(path, cwd=tmp_path, check_paths=False).stages[0]
+    assert "#SBATCH --signal=USR1@120" in render_sbatch(stage).splitlines()
+
+
+def malicious_pipeline(tmp_path: Path) -> Path:
+    evil = "x; touch {p}; $(touch {p}) `touch {p}` ' \" \\"
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.yaml"
+    path.write_text(yaml.safe_dump({
+        "root": str(tmp_path / f"runs with space; $(touch {marker})"),
+        "cluster": {"partition": evil.format(p=marker), "env": {"EVIL": evil.format(p=marker)},
+                    "sbatch_extra": {"comment": evil.format(p=marker)}},
+        "stages": {"pretrain": {
+            "config": str(ROOT / "config/tiny/pretrain.yaml"),
+            "job_name": evil.format(p=marker),
+            "overrides": {"wandb_run_name": evil.format(p=marker)}}}}))
+    return path
+
+
+def test_hostile_values_stay_inert_when_the_script_runs(tmp_path):
+    stage = validate_pipeline(malicious_pipeline(tmp_path), cwd=tmp_path,
+                              check_paths=False).stages[0]
+    text = render_sbatch(stage, repo_root=tmp_path / "repo")
+    # Run the whole script with harmless stand-ins for what it calls: every line executes.
+    (tmp_path / "repo/slurm").mkdir(parents=True)
+    (tmp_path / "repo/slurm/env.sh").write_text('echo "EVIL=[$EVIL]"; return 0\n')
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("srun",):
+        (bin_dir / tool).write_text("#!/bin/sh\necho srun-called \"$#\"\n")
+        (bin_dir / tool).chmod(0o755)
+    script = tmp_path / "job.sbatch"
+    script.write_text(text)
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True,
+                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert proc.returncode == 0, proc.stderr
+    assert "srun-called" in proc.stdout
+    assert "EVIL=[x; touch" in proc.stdout  # the value arrived intact, as data
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_no_secret_from_the_environment_reaches_the_rendered_script(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "relay-test-secret-4711")
+    monkeypatch.setenv("HF_TOKEN", "relay-test-secret-4712")
+    pipeline = validate_pipeline(ROOT / "config/pipeline/production-example.yaml", only="pretrain",
+                                 cwd=ROOT, check_paths=False)
+    text = render_sbatch(pipeline.stages[0])
+    params = repr(executor_parameters(pipeline.stages[0]))
+    for secret in ("relay-test-secret-4711", "relay-test-secret-4712"):
+        assert secret not in text and secret not in params
+
+
+@pytest.mark.parametrize("code, rank, restarts, expected", [
+    (0, 0, 0, "done"), (0, 3, 5, "done"),
+    (PREEMPTED, 0, 0, "requeue"), (PREEMPTED, 0, 2, "requeue"), (PREEMPTED, 0, 3, "fail"),
+    (PREEMPTED, 1, 0, "leave"), (PREEMPTED, 1, 9, "leave"),
+    (1, 0, 0, "fail"), (2, 1, 0, "fail"), (-9, 0, 0, "fail"),
+])
+def test_job_requeues_only_a_preempted_rank_zero_under_the_cap(code, rank, restarts, expected):
+    assert decide_after_exit(code, rank=rank, restart_count=restarts, max_requeues=3) == expected
