@@ -7,6 +7,7 @@ and 4 are the reference. Between the phases the test corrupts rank 1's shard of 
 `resume`: a differently initialised model resumes. checkpoint-6 fails inside DCP on rank 1;
 checkpoint-4 loads, then fails on rank 1 only (as applying a data cursor might); both ranks
 must agree each time and fall back to checkpoint-2, then repeat steps 3 and 4 bit for bit.
+Then fresh sharded models warm-start from checkpoint-2 and from a plain state dict file.
 Each rank writes OUT/result-<phase>-<rank>.json for the test to check.
 """
 
@@ -30,6 +31,7 @@ from trainer.checkpoint import (  # noqa: E402
     capture_rng_state,
     find_resume_checkpoint,
     load_checkpoint,
+    load_warm_start,
     model_state,
     optimizer_state,
     restore_rng_state,
@@ -80,6 +82,8 @@ def main() -> None:
                          training_state={"step": 2, "rng": all_rng_states()},
                          dataloader_state={"rank": rank, "pos": 20 + rank}, **topology)
             result["weights_at_2"] = full_weights(model)
+            if rank == 0:  # a plain state dict file, for the warm-start check
+                torch.save({k: torch.tensor(v) for k, v in result["weights_at_2"].items()}, out / "plain.pt")
             result["reference_losses"] = [train_step(model, optimizer) for _ in (3, 4)]
             result["reference_weights"] = full_weights(model)
             for step in (4, 6):
@@ -110,6 +114,11 @@ def main() -> None:
         result["cursor"] = loaded["cursor"]
         result["losses"] = [train_step(model, optimizer) for _ in (3, 4)]
         result["weights"] = full_weights(model)
+        # Warm starts into a sharded model: from a DCP member (read shard by shard) and a plain file.
+        for source, seed in (("checkpoint-2", 7), ("plain.pt", 8)):
+            fresh, _ = build(seed, mesh)
+            load_warm_start(out / source, fresh, weights="live")
+            result[f"warm_start_from_{source}"] = full_weights(fresh)
     (out / f"result-{phase}-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

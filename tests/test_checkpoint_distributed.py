@@ -87,3 +87,10 @@ def test_other_dp_world_on_resume_errors_unless_data_state_is_dropped(two_rank_r
     assert cursor is None
     for key, value in model.state_dict().items():
         assert torch.equal(value, torch.tensor(saved[0]["weights_at_2"][key]))
+
+
+def test_sharded_model_warm_starts_from_dcp_member_and_plain_file(two_rank_run):
+    _, saved, resumed = two_rank_run
+    for rank in (0, 1):
+        assert resumed[rank]["warm_start_from_checkpoint-2"] == saved[0]["weights_at_2"]
+        assert resumed[rank]["warm_start_from_plain.pt"] == saved[0]["weights_at_2"]

@@ -288,7 +288,8 @@ def _prepare_job(output_dir: str | os.PathLike, step: int, *, members: Mapping[s
         members={name: _expand_member(member)[0] for name, member in members.items()},
         training_state=_snapshot_training_state(dict(training_state)),
         dataloader_json=cursor,
-        extra_files={name: data.encode() if isinstance(data, str) else bytes(data) for name, data in extra_files.items()},
+        extra_files={name: data.encode() if isinstance(data, str) else bytes(data)
+                     for name, data in extra_files.items()},
         topology=topology,
         config_digest=config_digest,
         model_config=json.loads(json.dumps(model_config)) if model_config is not None else None,

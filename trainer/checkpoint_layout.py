@@ -147,7 +147,9 @@ def validate_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         except FileNotFoundError:
             raise CheckpointError(f"{file} is listed in {COMPLETE_FILE} but missing") from None
         if actual != size:
-            raise CheckpointError(f"{file} has {actual} bytes, {COMPLETE_FILE} recorded {size} (truncated or overwritten)")
+            raise CheckpointError(
+                f"{file} has {actual} bytes, {COMPLETE_FILE} recorded {size} (truncated or overwritten)"
+            )
     expected = expected_files(info["members"], int(info["dp_world"]))
     unlisted = [rel for rel in expected if rel not in info["files"]]
     if unlisted:

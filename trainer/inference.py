@@ -20,6 +20,10 @@ from trainer import checkpoint as ckpt
 from trainer.args import ResolvedArgs, model_config
 
 
+# The role that `relay sample` / `relay eval` sample from, for stages with several roles.
+INFERENCE_MEMBER = {"dmd_sgf": "student"}
+
+
 class InferenceError(Exception):
     """A checkpoint or request that cannot be sampled; the message says what to fix."""
 
@@ -80,8 +84,10 @@ def load_model_for_inference(path: str | Path, weights: str = "auto",
         raise InferenceError(f"{checkpoint} has no EMA weights (members: {', '.join(members)}). "
                              f"Use --weights live.")
     model = build_model(args, torch.device(device))
+    # Multi-role checkpoints keep the sampled model's live weights under its role name.
+    member = INFERENCE_MEMBER.get(args.get("stage", "fm")) if weights == "live" else None
     try:
-        ckpt.load_warm_start(checkpoint, model, weights=weights)
+        ckpt.load_warm_start(checkpoint, model, weights=weights, member=member)
     except ckpt.CheckpointError as exc:
         raise InferenceError(str(exc)) from None
     model.eval()
@@ -107,7 +113,7 @@ def _latent_shape(args: ResolvedArgs) -> tuple[int, int, int, int]:
 def generate(loaded: LoadedModel, prompts: list[str], *, steps: int, guidance: float,
              seed: int, first_frame: torch.Tensor | None = None) -> torch.Tensor:
     """Latents [B, C, T, H, W] for the prompts, with the sampler of the checkpoint's stage."""
-    from trainer.sampling import sample_fm
+    from trainer.sampling import sampler_for
 
     if steps < 1:
         raise InferenceError(f"--steps must be at least 1, got {steps}.")
@@ -116,10 +122,11 @@ def generate(loaded: LoadedModel, prompts: list[str], *, steps: int, guidance: f
     null_text, null_mask = loaded.text_encoder.null_embedding()
     generator = torch.Generator().manual_seed(seed)
     shape = (len(prompts), *loaded.latent_shape)
-    return sample_fm(loaded.model, text.to(device), mask.to(device), null_text.to(device),
-                     null_mask.to(device), shape=shape, steps=steps, guidance=guidance,
-                     shift=loaded.args.train_timestep_shift, generator=generator,
-                     first_frame=first_frame)
+    sampler = sampler_for(loaded.args.get("stage", "fm"))
+    return sampler(loaded.model, text.to(device), mask.to(device), null_text.to(device),
+                   null_mask.to(device), shape=shape, steps=steps, guidance=guidance,
+                   shift=loaded.args.train_timestep_shift, generator=generator,
+                   first_frame=first_frame)
 
 
 # ---- files a user looks at ----------------------------------------------------------------

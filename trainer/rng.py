@@ -51,9 +51,8 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     is not available here (a CPU resume of a GPU run: reseed instead).
     """
     if not isinstance(state, dict) or state.get("format") != RNG_STATE_FORMAT:
-        raise ValueError(
-            f"not an RNG state of format {RNG_STATE_FORMAT} (got keys {sorted(state) if isinstance(state, dict) else type(state).__name__})"
-        )
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"not an RNG state of format {RNG_STATE_FORMAT} (got {got})")
     py = state["python"]
     random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
     npst = state["numpy"]

@@ -3,6 +3,10 @@
 `sample_fm` is the Euler flow-matching sampler with classifier-free guidance in the standard
 convention G_w(c, u) = u + w (c - u) (w = 1: conditional only). With `first_frame`, the first
 latent frame is given clean (kept at t = 0 throughout), as in image-conditioned training.
+
+Every stage has a sampler with the same signature (see `sampler_for`):
+    fn(model, text, text_mask, null_text, null_mask, *, shape, steps, guidance, shift,
+       generator, first_frame=None) -> latents [B, C, T, H, W]
 """
 
 from __future__ import annotations
@@ -63,3 +67,18 @@ def sample_fm(model: nn.Module, text: torch.Tensor, text_mask: torch.Tensor,
         if clean:
             x[:, :, :clean] = first_frame.to(x)
     return x
+
+
+def sampler_for(stage: str):
+    """The sampler of a training stage: FM Euler, Stage1 flow map, Stage2 causal rollout."""
+    if stage == "fm":
+        return sample_fm
+    if stage == "tf_anyflow":
+        from trainer.stages.tf_anyflow import sample_flowmap
+
+        return sample_flowmap
+    if stage == "dmd_sgf":
+        from trainer.stages.dmd_sgf import sample_student
+
+        return sample_student
+    raise ValueError(f"no sampler for stage {stage!r}")

@@ -199,7 +199,8 @@ def load_warm_start(
     initialised; plain files are read whole on every rank.
 
     Returns {"source", "member", "weights", "loaded", "missing", "unexpected",
-    "skipped_shape_mismatch"} (the last four are lists of keys). Raises CheckpointError naming the offending keys and shapes.
+    "skipped_shape_mismatch"} (the last four are lists of keys). Raises CheckpointError naming
+    the offending keys and shapes.
     """
     allow_missing, allow_unexpected = tuple(allow_missing), tuple(allow_unexpected)
     source = resolve_weights_source(path, weights=weights, member=member)

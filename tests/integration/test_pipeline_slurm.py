@@ -155,7 +155,7 @@ def test_submit_chains_pretrain_into_sft_with_weights_secrets_and_hostile_names_
 def test_usr2_saves_requeues_and_resumes_without_losing_or_repeating_a_step(
         slurm_cluster, tmp_path):
     name = unique("relay-it-requeue-")
-    steps = 60
+    steps = 100
     path = write_pipeline(tmp_path, name, {"pretrain": stage(
         "pretrain", tmp_path, max_steps=steps, save_interval=1000)}, max_requeues=2)
     proc = relay("submit", str(path), cwd=tmp_path)
