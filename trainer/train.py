@@ -25,6 +25,7 @@ if __package__ in (None, ""):  # `python trainer/train.py`: make the repository 
 
 import torch
 
+from launcher.environment import probe_environment
 from trainer import checkpoint as ckpt
 from trainer.args import ConfigError, ResolvedArgs, resolve_args
 from trainer.distributed import Topology, all_reduce_max, barrier, destroy, init_distributed
@@ -33,6 +34,7 @@ from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
 from trainer.stages import build_stage
 from trainer.stages.base import NonFiniteError
 from trainer.tracking import MetricsWriter, Progress, WandbReporter
+from trainer.validation import run_validation, validation_due
 
 log = logging.getLogger("relay")
 
@@ -90,7 +92,9 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
         torch.use_deterministic_algorithms(True)
     if topo.is_main:
         _write_json(out / "resolved-config.json", dict(args))
-        _write_json(out / "launch-manifest.json", launch_manifest(topo))
+        manifest = launch_manifest(topo)
+        manifest["environment"] = probe_environment()
+        _write_json(out / "launch-manifest.json", manifest)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     stage = build_stage(args, topo)
     # Noise, caption drop and conditioning draws differ per rank.
@@ -114,10 +118,13 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
             step_time = time.perf_counter() - t0
             window_samples += numbers.pop("samples", 0)
             record = None
-            if step % args.log_interval == 0 or step == args.max_steps:
+            validate = validation_due(args, step)
+            if step % args.log_interval == 0 or step == args.max_steps or validate:
                 elapsed = time.perf_counter() - window_start
                 record = _metrics_record(step, numbers, step_time, window_samples, elapsed,
                                          stage, topo)
+                if validate:
+                    record.update(_validate(stage, args, step, out, topo))
                 metrics.write(record)
                 tracker.log(record)
                 window_start, window_samples = time.perf_counter(), 0
@@ -140,6 +147,18 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
         tracker.finish()
     result["status"] = status
     return PREEMPTED_EXIT_CODE if status == "preempted" else 0
+
+
+def _validate(stage, args: ResolvedArgs, step: int, out: Path, topo: Topology) -> dict:
+    """Rank 0 samples and scores; a failure is logged, never fatal to training."""
+    scores: dict = {}
+    if topo.is_main:
+        try:
+            scores = run_validation(stage, args, step, out, stage.data.dataset.latent_shape)
+        except Exception:
+            log.exception("validation at step %d failed; training goes on", step)
+    barrier()
+    return scores
 
 
 def resume_or_warm_start(args: ResolvedArgs, topo: Topology, out: Path, stage) -> int:

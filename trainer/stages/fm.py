@@ -91,6 +91,7 @@ class FlowMatchingStage(Stage):
         self.data = data
         self.args = args
         self.device = device
+        self.text_encoder = text_encoder
         self.tokens_per_sample = 0
         null_text, null_mask = text_encoder.null_embedding()
         self.null_text = null_text[0].to(device)  # [L, D]: one null caption

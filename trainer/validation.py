@@ -1,0 +1,131 @@
+"""Validation during training: sample fixed captions, score them, keep the videos.
+
+Every `validation_interval` steps (and at the end of the run) rank 0 samples a fixed, seeded
+subset of the evaluation captions with the stage's own sampler, for the live weights and/or
+the EMA, and writes
+
+    samples/step-<N>/<weights>/grid.png    one row of frames per caption
+    samples/step-<N>/<weights>/frames.npy  uint8 [captions, T, H, W, 3]
+    samples/step-<N>/<weights>/clip-<i>.mp4|gif
+    samples/step-<N>/manifest.json         written last: captions, sampler, scores, files
+
+The scores go into that step's metrics.jsonl record. A validation that fails is logged as an
+error and training goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger("relay")
+
+
+def validation_due(args, step: int) -> bool:
+    """Whether `step` validates: every validation_interval steps and at the last step."""
+    if args.validation_interval < 0:
+        return False
+    if step == args.max_steps:
+        return True
+    return args.validation_interval > 0 and step % args.validation_interval == 0
+
+
+def validation_captions(count: int) -> list[str]:
+    """`count` captions spread evenly over the fixed evaluation set (all colours, directions)."""
+    from trainer.evaluate import EVAL_CAPTIONS
+
+    count = max(1, min(count, len(EVAL_CAPTIONS)))
+    stride = len(EVAL_CAPTIONS) / count
+    # An odd stride through colour x direction x shape order visits every colour and direction.
+    picks = [EVAL_CAPTIONS[int(i * stride)] for i in range(count)]
+    return picks
+
+
+def sampler_settings(args) -> tuple[int, float]:
+    """(steps, guidance) of the stage's sampler for validation."""
+    if args.stage == "tf_anyflow":
+        fused = args.anyflow_fuse_guidance_scale != 1.0
+        return args.flowmap_sampling_steps, (1.0 if fused else args.validation_guidance)
+    if args.stage == "dmd_sgf":
+        return len(args.dmd_denoising_steps), 1.0
+    return args.validation_steps, args.validation_guidance
+
+
+def run_validation(stage, args, step: int, output_dir: Path, latent_shape) -> dict:
+    """Sample, score and save; returns metrics {"val/<weights>/colour_accuracy": ...}."""
+    from trainer.evaluate import latents_to_frames, score_clips
+    from trainer.inference import write_clip_files
+    from trainer.sampling import sampler_for
+
+    captions = validation_captions(args.validation_num_captions)
+    steps, guidance = sampler_settings(args)
+    model = stage.sampling_model()
+    encoder = stage.text_encoder
+    device = next(model.parameters()).device
+    text, mask = encoder.encode(captions)
+    null_text, null_mask = encoder.null_embedding()
+    sampler = sampler_for(args.stage)
+    out = output_dir / "samples" / f"step-{step}"
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = {"step": step, "stage": args.stage, "captions": captions, "sampler_steps": steps,
+                "guidance": guidance, "seed": args.validation_seed, "weights": {}}
+    metrics = {}
+    was_training = model.training
+    model.eval()
+    try:
+        for weights, context in _weight_contexts(stage, model, args.validation_weights):
+            with context:
+                latents = sampler(model, text.to(device), mask.to(device), null_text.to(device),
+                                  null_mask.to(device), shape=(len(captions), *latent_shape),
+                                  steps=steps, guidance=guidance,
+                                  shift=args.train_timestep_shift,
+                                  generator=torch.Generator().manual_seed(args.validation_seed))
+            clips = [latents_to_frames(x) for x in latents]
+            scores = score_clips(clips, captions)
+            files = _write_files(clips, out / weights)
+            manifest["weights"][weights] = {
+                "colour_accuracy": scores["colour_accuracy"],
+                "direction_accuracy": scores["direction_accuracy"],
+                "per_caption": scores["per_caption"], "files": files}
+            metrics[f"val/{weights}/colour_accuracy"] = scores["colour_accuracy"]
+            metrics[f"val/{weights}/direction_accuracy"] = scores["direction_accuracy"]
+    finally:
+        model.train(was_training)
+    tmp = out / "manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2))
+    os.replace(tmp, out / "manifest.json")
+    log.info("validation step %d: %s -> %s", step,
+             ", ".join(f"{k} {v:.0%}" for k, v in metrics.items()), out)
+    return metrics
+
+
+def _weight_contexts(stage, model, which: str):
+    import contextlib
+
+    ema = next(iter(stage.emas.values()), None) if stage.emas else None
+    if which in ("live", "both"):
+        yield "live", contextlib.nullcontext()
+    if which in ("ema", "both") and ema is not None:
+        yield "ema", ema.swapped_in(model)
+
+
+def _write_files(clips: list[np.ndarray], out: Path) -> dict:
+    from PIL import Image
+
+    from trainer.inference import _upscale, write_clip_files
+
+    out.mkdir(parents=True, exist_ok=True)
+    frames = np.stack(clips)
+    np.save(out / "frames.npy", frames)
+    rows = [np.concatenate(list(_upscale(c, 64)), axis=1) for c in clips]
+    Image.fromarray(np.concatenate(rows, axis=0)).save(out / "grid.png")
+    videos = []
+    for i, clip in enumerate(clips):
+        paths = write_clip_files(clip, out / f"clip-{i:02d}")
+        videos.append(str(paths["video"]))
+    return {"grid": str(out / "grid.png"), "frames": str(out / "frames.npy"), "videos": videos}
