@@ -27,7 +27,7 @@ import torch
 
 from launcher.environment import probe_environment
 from trainer import checkpoint as ckpt
-from trainer.args import ConfigError, ResolvedArgs, resolve_args
+from trainer.args import ConfigError, ResolvedArgs, model_config, resolve_args
 from trainer.distributed import Topology, all_reduce_max, barrier, destroy, init_distributed
 from trainer.distributed import world_size_from_env
 from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
@@ -229,6 +229,7 @@ def _save(manager, args: ResolvedArgs, topo: Topology, stage, step: int) -> str:
                         dataloader_state=stage.data.state_dict(), dp_rank=topo.dp_rank,
                         dp_world=topo.dp_world, world_size=topo.world_size,
                         cp_size=args.cp_size, config_digest=args.digest(),
+                        model_config=model_config(args),
                         extra_files={"resolved-config.json": json.dumps(dict(args), indent=2)})
     return str(path)
 
