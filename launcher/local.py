@@ -63,12 +63,18 @@ def describe_samples(stage: StageSpec) -> str:
         manifest = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         manifest = {}
+    # Scores sit at the top level, or per weights ({"weights": {"live": {...}, "ema": {...}}}).
+    groups = {"": manifest} if isinstance(manifest, dict) else {}
+    if isinstance(manifest, dict) and isinstance(manifest.get("weights"), dict):
+        groups.update({f"{name} ": v for name, v in manifest["weights"].items() if isinstance(v, dict)})
     scores = []
-    for key, label in (("colour_accuracy", "colour"), ("direction_accuracy", "direction")):
-        value = manifest.get(key) if isinstance(manifest, dict) else None
-        if isinstance(value, (int, float)):
-            scores.append(f"{label} {value:.0%}")
-    score = f" ({', '.join(scores)})" if scores else ""
+    for prefix, group in groups.items():
+        found = [f"{label} {group[key]:.0%}" for key, label in
+                 (("colour_accuracy", "colour"), ("direction_accuracy", "direction"))
+                 if isinstance(group.get(key), (int, float))]
+        if found:
+            scores.append(prefix + ", ".join(found))
+    score = f" ({'; '.join(scores)})" if scores else ""
     return f"{stage.name}: samples of step {step} in {path.parent}{score}"
 
 

@@ -64,3 +64,99 @@ def slurm_cluster() -> SlurmCluster:
             pytest.skip(f"RELAY_ALLOW_NO_SLURM=1 and no local Slurm cluster: {message}")
         pytest.fail(message, pytrace=False)
     return SlurmCluster(state_dir=state, log_dir=state / "log", start_output=output)
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny_trainer: real `python trainer/train.py` runs of a very small model (trainer-level tests)
+# ---------------------------------------------------------------------------------------------
+
+TINY_MODEL = ("{hidden_size: 32, num_attention_heads: 2, num_layers: 1, rope_axes_dim: [4, 6, 6], "
+              "text_dim: 32, patch_size: [1, 4, 4], in_channels: 3}")
+TINY_MAX_STEPS = 12
+
+
+class TinyTrainer:
+    """Builds and runs train.py commands for one small, fully deterministic configuration.
+
+    Every run made through `command` shares the data directory and every argument except
+    output_dir and the `extra` ones, so a run's loss trajectory can be compared bit for bit
+    with `reference()`: an uninterrupted run (save_interval 2, all checkpoints kept).
+    """
+
+    def __init__(self, root: Path) -> None:
+        import sys
+
+        self.root = root
+        self.python = sys.executable
+        self.data_path = root / "data"
+        self._reference: Path | None = None
+
+    def args(self, output_dir: Path, *extra: str, config: str = "pretrain") -> list[str]:
+        return [
+            "--config", str(REPO_ROOT / "config" / "tiny" / f"{config}.yaml"),
+            "--transformer_config_overrides", TINY_MODEL,
+            "--train_batch_size", "4", "--synthetic_num_samples", "64",
+            "--data_path", str(self.data_path), "--output_dir", str(output_dir),
+            "--max_steps", str(TINY_MAX_STEPS), "--warmup_steps", "4",
+            "--log_interval", "1", "--save_interval", "2", "--validation_interval", "-1",
+            "--deterministic", "true", *extra,
+        ]
+
+    def command(self, output_dir: Path, *extra: str, config: str = "pretrain") -> list[str]:
+        return [self.python, str(REPO_ROOT / "trainer" / "train.py"),
+                *self.args(output_dir, *extra, config=config)]
+
+    @staticmethod
+    def env(**extra: str) -> dict[str, str]:
+        # One thread per process: the machine has two cores, shared with other work.
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+               "PYTHONUNBUFFERED": "1"}
+        env.pop("WANDB_API_KEY", None)
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                    "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID", "SLURM_JOB_ID"):
+            env.pop(key, None)
+        env.update(extra)
+        return env
+
+    def run(self, output_dir: Path, *extra: str, config: str = "pretrain", timeout: float = 180,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """Run train.py to its end; returns the finished process (stdout/stderr as text)."""
+        return subprocess.run(self.command(output_dir, *extra, config=config), cwd=REPO_ROOT,
+                              env=env or self.env(), capture_output=True, text=True,
+                              timeout=timeout)
+
+    def start(self, output_dir: Path, *extra: str, config: str = "pretrain",
+              log: Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start train.py in the background; stdout and stderr go to `log` (default:
+        <output_dir>.log, appended)."""
+        log = log or output_dir.with_name(output_dir.name + ".log")
+        handle = open(log, "ab")
+        try:
+            return subprocess.Popen(self.command(output_dir, *extra, config=config),
+                                    cwd=REPO_ROOT, env=env or self.env(), stdout=handle,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        finally:
+            handle.close()
+
+    def reference(self) -> Path:
+        """The output_dir of the uninterrupted run (made once per session)."""
+        if self._reference is None:
+            out = self.root / "reference"
+            proc = self.run(out, "--save_total_limit", "0")
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            self._reference = out
+        return self._reference
+
+    @staticmethod
+    def losses(output_dir: Path) -> list[tuple[int, float]]:
+        """(step, loss) of every record in metrics.jsonl, in file order."""
+        import json
+
+        lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+        return [(r["step"], r["loss"]) for r in map(json.loads, lines)]
+
+
+@pytest.fixture(scope="session")
+def tiny_trainer(tmp_path_factory: pytest.TempPathFactory) -> TinyTrainer:
+    """A TinyTrainer rooted in a session temp directory (its data is generated once)."""
+    return TinyTrainer(tmp_path_factory.mktemp("tiny-trainer"))

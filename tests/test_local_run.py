@@ -10,7 +10,8 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = {"train_batch_size": 4, "synthetic_num_samples": 64, "log_interval": 1, "warmup_steps": 1}
+TINY = {"train_batch_size": 4, "synthetic_num_samples": 64, "log_interval": 1, "warmup_steps": 1,
+        "validation_interval": -1}
 
 
 def relay(*args: str, cwd: Path):
@@ -26,6 +27,9 @@ def pipeline(tmp_path: Path, pretrain_overrides: dict) -> Path:
                                    **pretrain_overrides}},
         "sft": {"config": str(ROOT / "config/tiny/sft.yaml"),
                 "overrides": {**TINY, "max_steps": 2, "data_path": "data-sft",
+                              # SFT samples at its end (tiny), pretrain does not.
+                              "validation_interval": 0, "validation_steps": 2,
+                              "validation_num_captions": 2,
                               "pretrained_transformer_path": "${stages.pretrain.output_dir}"}},
     }}))
     return path
@@ -48,7 +52,9 @@ def test_run_trains_each_stage_in_turn_and_records_the_pipeline(tmp_path):
     # Relative data paths resolve against the directory relay ran in.
     assert (tmp_path / "data-pretrain").is_dir()
     # Where the samples are, or how to score the stage.
-    assert "sft:" in proc.stdout and ("samples of step" in proc.stdout or "relay eval --checkpoint" in proc.stdout)
+    assert f"pretrain: no validation samples in {root / 'pretrain'}; score it with `relay eval " \
+        f"--checkpoint {root / 'pretrain'}`" in proc.stdout
+    assert f"sft: samples of step 2 in {root / 'sft/samples/step-2'} (live colour" in proc.stdout
     assert not marker.exists()
 
     status = relay("status", str(root), cwd=tmp_path)
@@ -74,3 +80,20 @@ def test_run_refuses_an_invalid_pipeline_before_training(tmp_path):
     assert proc.returncode == 2
     assert "stage pretrain:" in proc.stderr and "`max_steps`" in proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_samples_summary_reads_scores_at_the_top_or_per_weights(tmp_path):
+    from types import SimpleNamespace
+
+    from launcher.local import describe_samples
+
+    for step, manifest in ((5, {"colour_accuracy": 1.0, "direction_accuracy": 0.5}),
+                           (10, {"weights": {"live": {"colour_accuracy": 0.25,
+                                                      "direction_accuracy": 0.75},
+                                             "ema": {"colour_accuracy": 1.0,
+                                                     "direction_accuracy": 1.0}}})):
+        (tmp_path / f"samples/step-{step}").mkdir(parents=True)
+        (tmp_path / f"samples/step-{step}/manifest.json").write_text(json.dumps(manifest))
+    text = describe_samples(SimpleNamespace(name="sft", output_dir=str(tmp_path)))
+    assert text == (f"sft: samples of step 10 in {tmp_path / 'samples/step-10'} "
+                    f"(live colour 25%, direction 75%; ema colour 100%, direction 100%)")

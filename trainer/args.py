@@ -727,6 +727,10 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
         _validate_paths(args)
     _validate_model_overrides(args)
     _validate_topology(args, world_size)
+    from trainer.stages.tf_anyflow import validate_tf_anyflow_args  # Stage1's own checks
+    validate_tf_anyflow_args(args)
+    from trainer.stages.dmd_sgf import validate_dmd_sgf_args  # Stage2's own checks
+    validate_dmd_sgf_args(args)
     if args.report_to == "wandb":
         try:
             import wandb  # noqa: F401

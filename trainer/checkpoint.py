@@ -674,7 +674,16 @@ def load_checkpoint(
         _raise_if_any_rank_failed(_attempt(finish), process_group)
 
     # Rank-local reads last: no collective follows, so a failure here cannot strand other ranks.
-    payload = torch.load(path / TRAINING_STATE_FILE, map_location="cpu", weights_only=True)
+    try:
+        payload = torch.load(path / TRAINING_STATE_FILE, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        # torch's message for a garbled file advises weights_only=False: keep only the cause.
+        text = str(exc)
+        if "WeightsUnpickler error:" in text:
+            text = text.split("WeightsUnpickler error:", 1)[1]
+        cause = next((line.strip() for line in text.splitlines() if line.strip()), "")[:200]
+        raise CheckpointError(f"{path / TRAINING_STATE_FILE} is unreadable "
+                              f"({type(exc).__name__}: {cause})") from exc
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path / TRAINING_STATE_FILE} is not a training state of format {CHECKPOINT_FORMAT}")
     cursor = None

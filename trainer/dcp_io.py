@@ -104,10 +104,18 @@ def _set_by_path(root: Any, path: tuple, value: Any) -> None:
 def read_dcp_metadata(dcp_dir: str | os.PathLike) -> Metadata:
     """Return the parsed `.metadata` of a DCP directory.
 
-    Raises FileNotFoundError if it is missing, pickle.UnpicklingError (or another exception) if
-    it is corrupt or refers to classes a DCP checkpoint never holds.
+    Raises FileNotFoundError (or another OSError) if it is missing or cannot be read, and
+    pickle.UnpicklingError naming the file if it is corrupt or refers to classes a DCP
+    checkpoint never holds.
     """
-    return SafeFileSystemReader(str(dcp_dir)).read_metadata()
+    try:
+        return SafeFileSystemReader(str(dcp_dir)).read_metadata()
+    except OSError:
+        raise
+    except Exception as exc:  # garbage unpickles into many error types; name the file in one
+        raise pickle.UnpicklingError(
+            f"{Path(dcp_dir) / METADATA_FILE} is not readable DCP metadata: "
+            f"{type(exc).__name__}: {exc}") from exc
 
 
 def read_dcp_tensor_shapes(dcp_dir: str | os.PathLike) -> dict[str, tuple[torch.Size, torch.dtype]]:

@@ -189,12 +189,13 @@ def resume_or_warm_start(args: ResolvedArgs, topo: Topology, out: Path, stage) -
                         "model, optimizer and schedule are resumed from %s", path)
         log.info("resumed from %s (step %d)", path, state["step"])
         return int(state["step"])
-    if args.load_transformer_weights:
+    # A multi-role stage (Stage2) names its sources in keys of its own and always warm starts.
+    if args.load_transformer_weights or getattr(stage, "needs_warm_start", False):
         report = stage.warm_start(args)
         if topo.is_main:
             _write_json(out / "warm-start.json", report)
         log.info("warm start from %s (%s weights): %d tensors loaded", report["source"],
-                 args.pretrained_weights, len(report.get("loaded", [])))
+                 report.get("weights", args.pretrained_weights), len(report.get("loaded", [])))
         return 0
     log.info("no checkpoint in %s: starting fresh", out)
     return 0

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slurm
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = {"train_batch_size": 4, "synthetic_num_samples": 64, "log_interval": 1, "warmup_steps": 1,
-        "save_total_limit": 0}
+        "save_total_limit": 0, "validation_interval": -1}
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED"}
 
 
@@ -155,7 +155,7 @@ def test_submit_chains_pretrain_into_sft_with_weights_secrets_and_hostile_names_
 def test_usr2_saves_requeues_and_resumes_without_losing_or_repeating_a_step(
         slurm_cluster, tmp_path):
     name = unique("relay-it-requeue-")
-    steps = 100
+    steps = 50
     path = write_pipeline(tmp_path, name, {"pretrain": stage(
         "pretrain", tmp_path, max_steps=steps, save_interval=1000)}, max_requeues=2)
     proc = relay("submit", str(path), cwd=tmp_path)
@@ -242,6 +242,7 @@ def test_sbatch_script_applies_overrides_and_requeues_after_usr2_to_the_batch_sh
            "scripts/pretrain.sh", "config/tiny/pretrain.yaml",
            "--max_steps", "40", "--train_batch_size", "4", "--synthetic_num_samples", "64",
            "--log_interval", "1", "--warmup_steps", "1", "--save_interval", "1000",
+           "--validation_interval", "-1",
            "--data_path", str(tmp_path / "data"), "--output_dir", str(out)]
     env = {**os.environ, "RELAY_NETWORK": "none", "RELAY_PYTHON": sys.executable}
     job = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True,
@@ -259,3 +260,34 @@ def test_sbatch_script_applies_overrides_and_requeues_after_usr2_to_the_batch_sh
         (40, 4, 64)
     assert logged_steps(out) == list(range(1, 41))
     assert (out / f"slurm-{job}.out").resolve() == log.resolve()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("RELAY_SLOW_TESTS") != "1",
+                    reason="about 3 minutes of real time limits; set RELAY_SLOW_TESTS=1")
+def test_time_limit_signal_saves_and_requeues_until_max_requeues(slurm_cluster, tmp_path):
+    # The production path, nothing simulated: a 2-minute limit with signal_lead_s 60 makes
+    # Slurm send USR2 30-60 s into each run (its timer ticks every ~30 s). The first run is
+    # requeued; the second is preempted again and, with max_requeues 1, fails and says so.
+    name = unique("relay-it-timelimit-")
+    path = write_pipeline(tmp_path, name, {"pretrain": stage(
+        "pretrain", tmp_path, max_steps=100000, save_interval=100000)},
+        time=2, signal_lead_s=60, max_requeues=1)
+    assert relay("submit", str(path), cwd=tmp_path).returncode == 0
+    root = tmp_path / "runs"
+    job = json.loads((root / "pipeline.json").read_text())["stages"]["pretrain"]["job_id"]
+    assert wait_final([job], timeout=420) == {job: "FAILED"}
+
+    out = root / "pretrain"
+    log = (out / "slurm" / f"{job}_0_log.out").read_text()
+    assert log.count("requeueing job") == 1
+    assert "was preempted again after 1 requeues (max_requeues 1)" in log
+    steps = logged_steps(out)
+    assert steps == list(range(1, len(steps) + 1))
+    assert (out / f"checkpoint-{steps[-1]}" / "COMPLETE").exists()
+    result = json.loads((out / "run-result.json").read_text())
+    assert (result["status"], result["step"]) == ("preempted", steps[-1])
+    status = relay("status", str(root)).stdout
+    assert status.splitlines()[1].split()[2] == "FAILED"
+    assert status.splitlines()[1].split()[6] == "1"
+    assert "pretrain: Slurm FAILED after a preemption save" in status

@@ -61,4 +61,12 @@ def build_stage(args: ResolvedArgs, topo: Topology):
         from trainer.stages.fm import build_fm_stage
 
         return build_fm_stage(args, topo)
+    if args.stage == "tf_anyflow":
+        from trainer.stages.tf_anyflow import build_tf_anyflow_stage
+
+        return build_tf_anyflow_stage(args, topo)
+    if args.stage == "dmd_sgf":
+        from trainer.stages.dmd_sgf import build_dmd_sgf_stage
+
+        return build_dmd_sgf_stage(args, topo)
     raise ValueError(f"unknown stage {args.stage!r}")  # args.py's choices make this unreachable

@@ -116,13 +116,13 @@ class FlowMatchingStage(Stage):
                 (loss / accum).backward()
             total += float(loss.detach()) / accum
         grad_norm = clip_and_check(step, self.model, total, args.max_grad_norm)
+        lr = optimizer.param_groups[0]["lr"]  # the LR this step uses (the scheduler moves it on)
         optimizer.step()
         self.schedulers["transformer"].step()
         optimizer.zero_grad(set_to_none=True)
         if "transformer" in self.emas:
             self.emas["transformer"].update(self.model, step)
-        return {"loss": total, "grad_norm": grad_norm, "lr": optimizer.param_groups[0]["lr"],
-                "samples": samples, **stats}
+        return {"loss": total, "grad_norm": grad_norm, "lr": lr, "samples": samples, **stats}
 
     def warm_start(self, args) -> dict:
         """Load pretrained transformer weights (a fresh optimizer, schedule and data cursor)."""

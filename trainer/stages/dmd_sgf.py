@@ -1,0 +1,497 @@
+"""Stage2: DMD via SGF (self-gradient forcing), ALGORITHMS.md §7.
+
+Three roles: the causal student G (trained; init: Stage1 EMA without r_embedder.*), the frozen
+bidirectional teacher (real score; init: SFT) and the trainable bidirectional critic (fake
+score; init: SFT). Outer step k = step - 1 (the loop counts steps from 1): the student updates
+when k > 0 and k % generator_update_interval == 0, then the critic updates, every step
+(SolarWM order, §7.2 / §7.8a). Each update draws its own batch and its own rollout.
+
+Student update: rollout (trainer/stages/rollout.py: no-grad simulation, then one
+teacher-forcing replay of the exit step with grad) -> x_hat; noise it to a score level
+sigma_s; teacher x0 with reference CFG R_s = c + s (c - u) and critic x0 (conditional);
+g = (x0_fake - x0_real) / per-sample mean |x_hat - x0_real|; L_G = 0.5 masked_mean((x_hat -
+sg(x_hat - g))^2), whose gradient w.r.t. x_hat is g / #valid elements (§7.5). Critic update:
+a fresh no-grad rollout x_hat, FM loss of the critic on it (§7.6). EMA of the student after
+its updates, counted in student updates (§7.8a, §9).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer import flow
+from trainer.sampling import guided
+from trainer.stages import rollout as ro
+from trainer.stages.base import Stage, autocast_context, clip_and_check
+from trainer.stages.rollout import sample_student  # noqa: F401  (sampler_for("dmd_sgf"))
+
+N = flow.NUM_TRAIN_TIMESTEPS
+
+# Stage1's two-time embedder; the Stage2 student is single-time, so these source keys are
+# dropped (and only these: anything else unexpected still fails the warm start).
+STUDENT_DROPPED_KEYS = ("r_embedder.*",)
+ROLES = ("student", "teacher", "critic")
+
+
+# ---- configuration -----------------------------------------------------------------------
+
+def validate_dmd_sgf_args(args) -> None:
+    """Reject a Stage2 configuration that cannot run, before any model exists.
+
+    For other stages only warns when Stage2 init paths are set (they would do nothing).
+    Raises trainer.args.ConfigError saying what to change.
+    """
+    from trainer.args import ConfigError, model_config
+
+    paths = ("student_init_path", "teacher_init_path", "critic_init_path")
+    if args.stage != "dmd_sgf":
+        unused = [key for key in paths if args[key] is not None]
+        if unused:
+            warnings.warn(f"{', '.join(unused)} set but stage is {args.stage!r}: they have no "
+                          "effect outside stage dmd_sgf.")
+        return
+
+    def check(ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(message)
+
+    missing = [key for key in paths if args[key] is None]
+    check(not missing, f"stage dmd_sgf needs {', '.join(missing)}: the student starts from a "
+          "Stage1 output_dir (its EMA), the teacher and the critic from an SFT output_dir.")
+    check(args.pretrained_transformer_path is None and not args.load_transformer_weights,
+          "stage dmd_sgf does not read pretrained_transformer_path / load_transformer_weights: "
+          "its three roles load from student_init_path, teacher_init_path and critic_init_path "
+          "(with student_/teacher_/critic_init_weights). Remove the pretrained_transformer_path "
+          "and load_transformer_weights keys.")
+    config = model_config(args)
+    check(config.get("causal_chunk_size") is not None,
+          "stage dmd_sgf trains a causal student: set causal_chunk_size in "
+          "transformer_config_overrides (the student's config; the teacher and critic use it "
+          "with causal_chunk_size null).")
+    check(not config.get("two_time", False),
+          "the Stage2 student is single-time: set two_time: false in "
+          "transformer_config_overrides (Stage1's r_embedder.* is dropped at load).")
+    check(args.generator_update_interval >= 1,
+          f"`generator_update_interval` must be >= 1, got {args.generator_update_interval}.")
+    steps = list(args.dmd_denoising_steps)
+    check(len(steps) >= 1 and all(0 < a <= N for a in steps)
+          and all(a > b for a, b in zip(steps, steps[1:])),
+          f"`dmd_denoising_steps` must be raw timesteps in (0, {N}], strictly descending, e.g. "
+          f"[1000, 750, 500, 250]; got {steps}.")
+    check(args.real_guidance_scale >= 0,
+          f"`real_guidance_scale` (reference convention, 0 = conditional only) must be >= 0, "
+          f"got {args.real_guidance_scale}.")
+    lo, hi = args.min_score_timestep_ratio, args.max_score_timestep_ratio
+    check(0.0 <= lo < hi <= 1.0,
+          f"score timestep ratios need 0 <= min < max <= 1, got min {lo}, max {hi}.")
+    check(args.critic_learning_rate > 0,
+          f"`critic_learning_rate` must be > 0, got {args.critic_learning_rate}.")
+    for key in ("critic_adam_beta1", "critic_adam_beta2"):
+        check(0.0 <= args[key] < 1.0, f"`{key}` must lie in [0, 1), got {args[key]}.")
+    check(args.critic_max_grad_norm >= 0, "`critic_max_grad_norm` must be >= 0 (0 disables).")
+    check(args.gradient_accumulation_steps == 1,
+          "stage dmd_sgf takes one micro-batch per update: set gradient_accumulation_steps: 1 "
+          "and raise train_batch_size instead.")
+    check(args.video_cond_prob == 0.0,
+          "stage dmd_sgf supports image conditioning (image_cond_prob: the first latent frame "
+          "as a clean anchor) but not video_cond_prob; set video_cond_prob: 0.")
+    if args.cfg_drop_prob > 0:
+        warnings.warn("cfg_drop_prob has no effect in stage dmd_sgf: the student is trained on "
+                      "its captions, the teacher's unconditional branch uses the null caption. "
+                      "Set cfg_drop_prob: 0 to silence this.")
+    if args.max_steps <= args.generator_update_interval:
+        warnings.warn(f"max_steps ({args.max_steps}) <= generator_update_interval "
+                      f"({args.generator_update_interval}): the student never updates.")
+
+
+def teacher_model_config(student_config: dict) -> dict:
+    """The bidirectional single-time config of the teacher and critic: the student's config
+    with causal_chunk_size, attn_window_chunks null and two_time false."""
+    config = dict(student_config)
+    config.update(causal_chunk_size=None, attn_window_chunks=None, two_time=False)
+    return config
+
+
+# ---- cadence (§7.2) ----------------------------------------------------------------------
+
+def outer_index(step: int) -> int:
+    """The 0-based outer step k of the loop's 1-based `step`."""
+    return step - 1
+
+
+def is_student_step(k: int, interval: int) -> bool:
+    """Whether outer step k updates the student: k > 0 and k % interval == 0 (the critic is
+    warmed first; the j-th student update happens at k = j * interval)."""
+    return k > 0 and k % interval == 0
+
+
+def student_updates_through(step: int, interval: int) -> int:
+    """Student updates done after loop steps 1..step (outer steps 0..step-1)."""
+    return max(0, step - 1) // interval
+
+
+# ---- losses (§7.5, §7.6) -----------------------------------------------------------------
+
+@dataclass
+class Captions:
+    """A batch's caption states and the null caption ([L, D], [L]) for the unconditional."""
+
+    text: torch.Tensor
+    mask: torch.Tensor
+    null_text: torch.Tensor
+    null_mask: torch.Tensor
+
+
+def sample_score_sigmas(batch: int, *, shift: float, min_ratio: float, max_ratio: float,
+                        device=None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Score noise levels [B] float32: raw ~ U{0..N-1}, sigma = clamp(S(raw/N; shift), min,
+    max) (§7.5). Drawn from `generator` (its device) or the global RNG on `device`."""
+    where = generator.device if generator is not None else device
+    raw = torch.randint(N, (batch,), generator=generator, device=where).to(torch.float64)
+    sigma = flow.shift_sigma(raw / N, shift).clamp(min_ratio, max_ratio)
+    return sigma.to(device=device, dtype=torch.float32)
+
+
+def reference_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    """Guidance in the reference convention R_s(c, u) = c + s (c - u) (= standard w = 1 + s)."""
+    return cond + scale * (cond - uncond)
+
+
+def teacher_x0(teacher: nn.Module, x_noisy: torch.Tensor, sigma_frames: torch.Tensor,
+               captions: Captions, guidance_scale: float) -> torch.Tensor:
+    """The teacher's guided x0 = x - sigma R_s(F(x | c), F(x | null)), float32.
+
+    R_s is computed as the standard u + w (c - u) with w = 1 + s (trainer.sampling.guided, one
+    batched forward; s = 0 runs the conditional branch only).
+    """
+    v = guided(teacher, x_noisy, sigma_frames * N, captions.text, captions.mask,
+               captions.null_text, captions.null_mask, 1.0 + guidance_scale)
+    return flow.x0_from_velocity(_work(x_noisy), sigma_frames, _work(v))
+
+
+def critic_x0(critic: nn.Module, x_noisy: torch.Tensor, sigma_frames: torch.Tensor,
+              captions: Captions) -> torch.Tensor:
+    """The critic's conditional x0 = x - sigma F_critic(x | c) (no guidance), float32."""
+    v = critic(x_noisy, sigma_frames * N, captions.text, captions.mask)
+    return flow.x0_from_velocity(_work(x_noisy), sigma_frames, _work(v))
+
+
+def _work(x: torch.Tensor) -> torch.Tensor:
+    # losses in float32 at least (float64 inputs, as in the tests, stay float64)
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def _valid(frame_mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return frame_mask.to(like.device)[:, None, :, None, None].expand_as(like)
+
+
+def masked_mean(x: torch.Tensor, frame_mask: torch.Tensor) -> torch.Tensor:
+    """Mean of x [B, C, T, H, W] over the elements of frames marked True in frame_mask [B, T]
+    (all valid elements of the batch together). Masked elements are zeroed before the sum,
+    so a NaN there reaches neither the value nor the gradient."""
+    valid = _valid(frame_mask, x)
+    x = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return x.sum() / valid.sum().clamp_min(1)
+
+
+def dmd_gradient(x_hat: torch.Tensor, x0_fake: torch.Tensor, x0_real: torch.Tensor,
+                 frame_mask: torch.Tensor) -> torch.Tensor:
+    """The DMD gradient g = (x0_fake - x0_real) / max(mean |x_hat - x0_real|, 1e-8) (§7.5).
+
+    The normaliser is per sample, over its valid elements (DMD eq. 8); g is 0 on masked
+    frames and NaN-free. Inputs are treated as constants (call under no_grad or detach).
+    Returns g like x_hat, float32.
+    """
+    x_hat, x0_fake, x0_real = _work(x_hat), _work(x0_fake), _work(x0_real)
+    valid = _valid(frame_mask, x_hat)
+    zero = torch.zeros((), dtype=x_hat.dtype, device=x_hat.device)
+    b = x_hat.shape[0]
+    dist_abs = torch.where(valid, (x_hat - x0_real).abs(), zero).reshape(b, -1).sum(1)
+    count = valid.reshape(b, -1).sum(1).clamp_min(1)
+    normaliser = (dist_abs / count).clamp_min(1e-8).view(b, 1, 1, 1, 1)
+    g = torch.where(valid, (x0_fake - x0_real) / normaliser, zero)
+    return torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def dmd_surrogate_loss(x_hat: torch.Tensor, g: torch.Tensor,
+                       frame_mask: torch.Tensor) -> torch.Tensor:
+    """L = 0.5 masked_mean((x_hat - sg(x_hat - g))^2): value 0.5 mean(g^2), gradient w.r.t.
+    x_hat = g / (number of valid elements) on valid frames, 0 elsewhere (the MSE trick)."""
+    x_hat = _work(x_hat)
+    target = (x_hat - g).detach()
+    return 0.5 * masked_mean((x_hat - target).square(), frame_mask)
+
+
+def critic_flow_loss(critic_velocity: torch.Tensor, x_hat: torch.Tensor, noise: torch.Tensor,
+                     frame_mask: torch.Tensor) -> torch.Tensor:
+    """The critic's FM loss on student samples: masked_mean((F - (noise - x_hat))^2) (§7.6);
+    x_hat is a constant (no gradient reaches the student)."""
+    target = flow.velocity_target(_work(x_hat.detach()), _work(noise))
+    return masked_mean((_work(critic_velocity) - target).square(), frame_mask)
+
+
+# ---- the stage -----------------------------------------------------------------------------
+
+class DMDSGFStage(Stage):
+    """Stage2: student, teacher and critic; two optimizers; the student's EMA."""
+
+    name = "dmd_sgf"
+    # train.py warm-starts this stage from its three *_init_path keys whenever output_dir has
+    # no checkpoint (it has no pretrained_transformer_path / load_transformer_weights).
+    needs_warm_start = True
+
+    def __init__(self, student: nn.Module, teacher: nn.Module, critic: nn.Module, optimizers,
+                 schedulers, ema, data, args, text_encoder, device: torch.device,
+                 dp_world: int = 1):
+        self.student, self.teacher, self.critic = student, teacher, critic
+        self.roles = {"student": student, "teacher": teacher, "critic": critic}
+        self.optimizers = dict(optimizers)
+        self.schedulers = dict(schedulers)
+        self.emas = {"student": ema} if ema is not None else {}
+        self.data = data
+        self.args = args
+        self.text_encoder = text_encoder
+        self.device = device
+        self.dp_world = dp_world
+        self.interval = args.generator_update_interval
+        self.sigmas = ro.rollout_sigmas(args.dmd_denoising_steps, args.train_timestep_shift,
+                                        args.warp_denoising_step)
+        null_text, null_mask = text_encoder.null_embedding()
+        self.null_text = null_text[0].to(device)
+        self.null_mask = null_mask[0].to(device)
+        self.student_updates = 0
+        self.last_generator: dict[str, float] = {}
+        self.tokens_per_sample = 0
+
+    # ---- one outer step ------------------------------------------------------------------
+    def train_step(self, step: int) -> dict[str, float]:
+        k = outer_index(step)
+        numbers: dict[str, float] = {}
+        samples = 0
+        if is_student_step(k, self.interval):
+            numbers.update(self._student_update(step))
+            samples += self.args.train_batch_size
+        critic = self._critic_update(step)
+        samples += self.args.train_batch_size
+        numbers.update(critic)
+        numbers.update(self.last_generator)
+        numbers.update({
+            "loss": critic["critic_loss"],  # the every-step number; generator_loss is below
+            "student_updates": self.student_updates,
+            "lr": self.optimizers["student"].param_groups[0]["lr"],
+            "samples": samples,
+        })
+        return numbers
+
+    def _student_update(self, step: int) -> dict[str, float]:
+        args = self.args
+        batch = self._next_batch()
+        captions = self._captions(batch)
+        with autocast_context(self.device, args.dtype):
+            x_hat, frame_mask, exit_index = self.student_sample(batch, with_grad=True)
+            loss, stats = self.generator_loss(x_hat, frame_mask, captions)
+        loss.backward()
+        _average_gradients(self.student, self.dp_world)
+        grad_norm = clip_and_check(step, self.student, float(loss.detach()), args.max_grad_norm)
+        optimizer = self.optimizers["student"]
+        optimizer.step()
+        self.schedulers["student"].step()
+        optimizer.zero_grad(set_to_none=True)
+        self.student_updates += 1
+        if "student" in self.emas:
+            self.emas["student"].update(self.student, self.student_updates)
+        self.last_generator = {"generator_loss": float(loss.detach()),
+                               "student_grad_norm": grad_norm,
+                               "exit_index": float(exit_index), **stats}
+        return dict(self.last_generator)
+
+    def _critic_update(self, step: int) -> dict[str, float]:
+        args = self.args
+        batch = self._next_batch()
+        captions = self._captions(batch)
+        with autocast_context(self.device, args.dtype):
+            with torch.no_grad():
+                x_hat, frame_mask, _ = self.student_sample(batch, with_grad=False)
+            loss = self.critic_loss(x_hat, frame_mask, captions)
+        loss.backward()
+        _average_gradients(self.critic, self.dp_world)
+        grad_norm = clip_and_check(step, self.critic, float(loss.detach()),
+                                   args.critic_max_grad_norm)
+        optimizer = self.optimizers["critic"]
+        optimizer.step()
+        self.schedulers["critic"].step()
+        optimizer.zero_grad(set_to_none=True)
+        return {"critic_loss": float(loss.detach()), "critic_grad_norm": grad_norm,
+                "critic_lr": optimizer.param_groups[0]["lr"]}
+
+    # ---- pieces ---------------------------------------------------------------------------
+    def student_sample(self, batch: dict, *, with_grad: bool):
+        """The student's sample x_hat [B, C, T, H, W] for a batch: (x_hat, loss frame mask
+        [B, T], exit index). with_grad: x_hat carries the exit step's gradient (§7.4, §7.7)."""
+        x0 = batch["latents"]
+        b, _, frames = x0.shape[:3]
+        anchored = self._anchored(b)
+        anchor = x0[:, :, :1] if anchored is not None else None
+        text, mask = batch["text"], batch["text_mask"]
+        exit_index = ro.sample_exit_index(len(self.sigmas))
+        sigma = self.sigmas[exit_index]
+        noise = torch.randn_like(x0)
+        if self.args.rollout_mode == "data_latent":
+            # No simulation: the data noised to the exit level, with the data as clean context.
+            s = ro.frame_sigmas(sigma, b, frames, anchored, device=x0.device)
+            noisy, clean = flow.interpolate(x0, noise, s), x0
+        else:
+            with torch.no_grad():
+                student = ro.CachedStudent(self.student, text, mask)
+                rollout = ro.simulate_rollout(student, noise, self.sigmas, exit_index,
+                                              anchor=anchor, anchored=anchored)
+            if not with_grad:
+                return rollout.output, ro.loss_frame_mask(anchored, b, frames,
+                                                                  x0.device), exit_index
+            noisy, clean = rollout.noisy_at_exit, rollout.output
+        with torch.set_grad_enabled(with_grad):
+            x_hat = ro.replay_exit(self.student, noisy, clean, sigma, text, mask, anchor=anchor,
+                                   anchored=anchored)
+        return x_hat, ro.loss_frame_mask(anchored, b, frames, x0.device), exit_index
+
+    def _score_point(self, x_hat: torch.Tensor, frame_mask: torch.Tensor):
+        """(sigma [B], per-frame sigma [B, T], noise, noised sample) at a fresh score level."""
+        args = self.args
+        b, frames = x_hat.shape[0], x_hat.shape[2]
+        sigma = sample_score_sigmas(b, shift=args.train_timestep_shift,
+                                    min_ratio=args.min_score_timestep_ratio,
+                                    max_ratio=args.max_score_timestep_ratio, device=x_hat.device)
+        anchored = None if bool(frame_mask[:, 0].all()) else ~frame_mask[:, 0]
+        s = ro.frame_sigmas(sigma, b, frames, anchored, device=x_hat.device)
+        noise = torch.randn_like(x_hat)
+        return sigma, s, noise, flow.interpolate(x_hat.detach(), noise, s)
+
+    def generator_loss(self, x_hat: torch.Tensor, frame_mask: torch.Tensor, captions: Captions):
+        """The student's DMD surrogate loss for its sample x_hat (with grad) and diagnostics."""
+        with torch.no_grad():
+            sigma, s, _, x_noisy = self._score_point(x_hat, frame_mask)
+            real = teacher_x0(self.teacher, x_noisy, s, captions, self.args.real_guidance_scale)
+            fake = critic_x0(self.critic, x_noisy, s, captions)
+            g = dmd_gradient(x_hat.detach(), fake, real, frame_mask)
+        loss = dmd_surrogate_loss(x_hat, g, frame_mask)
+        return loss, {"score_sigma_mean": float(sigma.mean()),
+                      "dmd_grad_rms": float(g.square().mean().sqrt())}
+
+    def critic_loss(self, x_hat: torch.Tensor, frame_mask: torch.Tensor,
+                    captions: Captions) -> torch.Tensor:
+        """The critic's FM loss on the (constant) student sample x_hat."""
+        _, s, noise, x_noisy = self._score_point(x_hat, frame_mask)
+        velocity = self.critic(x_noisy, s * N, captions.text, captions.mask)
+        return critic_flow_loss(velocity, x_hat, noise, frame_mask)
+
+    def _anchored(self, batch: int) -> torch.Tensor | None:
+        """Which samples keep their first latent frame as a clean anchor (image_cond_prob)."""
+        if self.args.image_cond_prob <= 0:
+            return None
+        return (torch.rand(batch) < self.args.image_cond_prob).to(self.device)
+
+    def _captions(self, batch: dict) -> Captions:
+        return Captions(batch["text"], batch["text_mask"], self.null_text, self.null_mask)
+
+    def _next_batch(self) -> dict:
+        batch = {k: (v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+                 for k, v in self.data.next_batch().items()}
+        pt, ph, pw = self.student.cfg.patch_size
+        _, _, t, h, w = batch["latents"].shape
+        self.tokens_per_sample = (t // pt) * (h // ph) * (w // pw)
+        return batch
+
+    # ---- init, checkpoints, sampling -------------------------------------------------------
+    def warm_start(self, args) -> dict:
+        """Load the three roles from their *_init_path sources (weights only); the student
+        drops exactly r_embedder.* (plus warm_start_allow_unexpected). Returns a report with
+        one entry per role. Raises CheckpointError from the first source that does not fit."""
+        from trainer.checkpoint import load_warm_start
+
+        reports = {}
+        for role in ROLES:
+            dropped = STUDENT_DROPPED_KEYS if role == "student" else ()
+            reports[role] = load_warm_start(
+                args[f"{role}_init_path"], self.roles[role],
+                weights=args[f"{role}_init_weights"],
+                allow_missing=args.warm_start_allow_missing,
+                allow_unexpected=(*dropped, *args.warm_start_allow_unexpected))
+        for ema in self.emas.values():
+            ema.reset(self.student)
+        return {
+            "source": "; ".join(f"{role} {r['source']}" for role, r in reports.items()),
+            "weights": ", ".join(f"{role} {args[f'{role}_init_weights']}" for role in ROLES),
+            "loaded": [f"{role}/{key}" for role, r in reports.items() for key in r["loaded"]],
+            "roles": reports,
+        }
+
+    def extra_state(self) -> dict:
+        state = super().extra_state()
+        state["student_updates"] = self.student_updates
+        state["last_generator"] = dict(self.last_generator)
+        return state
+
+    def load_extra_state(self, state: dict) -> None:
+        super().load_extra_state(state)
+        self.student_updates = int(state.get("student_updates", 0))
+        self.last_generator = dict(state.get("last_generator", {}))
+
+    def sampling_model(self, weights: str = "live") -> nn.Module:
+        return self.student
+
+
+def _average_gradients(model: nn.Module, world: int) -> None:
+    """Mean of the gradients over data-parallel ranks (the roles are not DDP-wrapped: the
+    student's replay calls forward_teacher_forcing, which DDP's forward hook would miss)."""
+    if world <= 1 or not dist.is_initialized():
+        return
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+
+
+def build_dmd_sgf_stage(args, topo) -> DMDSGFStage:
+    """The three roles, both optimizers and schedules, the student's EMA and the data.
+
+    Weights are random here: train.py calls warm_start (no checkpoint yet) or resumes.
+    """
+    from trainer.args import model_config
+    from trainer.ema import EMA
+    from trainer.model import VideoDiT
+    from trainer.optim import build_lr_scheduler, build_optimizer
+    from trainer.stages import build_data, build_model, build_text_encoder
+
+    device = topo.device
+    student = build_model(args, device)
+    bidirectional = teacher_model_config(model_config(args))
+    teacher = VideoDiT(**bidirectional).to(device).eval().requires_grad_(False)
+    critic = VideoDiT(**bidirectional).to(device)
+    optimizers = {
+        "student": build_optimizer(
+            student, use_muon=args.use_muon, learning_rate=args.learning_rate,
+            muon_learning_rate=args.muon_learning_rate, weight_decay=args.weight_decay,
+            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps),
+        "critic": build_optimizer(
+            critic, learning_rate=args.critic_learning_rate, weight_decay=args.weight_decay,
+            betas=(args.critic_adam_beta1, args.critic_adam_beta2), eps=args.adam_eps),
+    }
+    # Each schedule counts its own role's updates: the student's runs over the student updates
+    # the run will make, the critic's over every outer step.
+    counts = {"student": max(1, student_updates_through(args.max_steps,
+                                                       args.generator_update_interval)),
+              "critic": args.max_steps}
+    schedulers = {role: build_lr_scheduler(
+        opt, lr_scheduler_type=args.lr_scheduler_type, warmup_steps=args.warmup_steps,
+        max_steps=counts[role], lr_decay_steps=args.lr_decay_steps,
+        lr_decay_floor_ratio=args.lr_decay_floor_ratio) for role, opt in optimizers.items()}
+    ema = (EMA(student, args.ema_decay, start=args.ema_start_step,
+               update_every=args.ema_update_every) if args.use_ema else None)
+    return DMDSGFStage(student, teacher, critic, optimizers, schedulers, ema,
+                       build_data(args, topo), args, build_text_encoder(args), device,
+                       dp_world=topo.dp_world)

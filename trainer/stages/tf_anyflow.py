@@ -1,0 +1,686 @@
+"""Stage1 TF-AnyFlow: causal teacher forcing + the AnyFlow v1.5 flow-map loss (ALGORITHMS.md §5, §6).
+
+The model u(x_t, t, r) predicts the average noise-ward velocity over [r, t] (two-time
+embedding, §6.1). Every sample of the logical data-parallel batch gets a pair (t, r) whose kind
+is fixed by its global flat index (§6.3): the first half trains the diagonal r = t (plain FM),
+the next quarter r = 0 (the x0 map), the rest 0 < r < t. The target of the v1.5 form (§6.5)
+holds the model's own finite difference along its own tangent:
+
+    residual = (u(z, t, r) + (t - r) D - [w v_c + (1 - w) u(z, t, t | null)]) / w
+
+Every u call is a teacher-forcing forward over [clean x0 | noisy z] with the same clean context
+(§6.8); only the first has gradients. Per-sample losses are rescaled toward the mean diffusion
+loss, then time-weighted (§6.6, SolarWM order). Choices where the references leave one are
+listed in docs/stages.md ("Stage1") and pinned by tests/test_tf_anyflow.py.
+
+`sample_flowmap` is the matching sampler (§6.9): any number of flow-map steps, chunk by chunk
+with the KV cache for a causal model, committing each finished chunk clean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from typing import Callable, NamedTuple
+
+import torch
+from torch import nn
+
+from trainer import flow
+from trainer.stages.base import Stage, autocast_context, clip_and_check
+from trainer.stages.fm import sample_condition_frames
+
+N = flow.NUM_TRAIN_TIMESTEPS
+
+# Sample kinds by global flat index (§6.3).
+DIFFUSION, CONSISTENCY, FLOW_MAP = 0, 1, 2
+KIND_NAMES = {DIFFUSION: "diffusion", CONSISTENCY: "consistency", FLOW_MAP: "flowmap"}
+PAIR_SAMPLERS = ("v15", "nvlabs")
+
+# Floor of the finite-difference width (raw units) and of the rescale denominator (§6.5, §6.6).
+MIN_WINDOW = 1e-6
+RESCALE_EPS = 1e-5
+
+# u(z, t, r) -> prediction [B, C, T, H, W]; t and r raw per frame [B, T].
+VelocityFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# ---------------------------------------------------------------------------------------------
+# configuration
+# ---------------------------------------------------------------------------------------------
+
+def validate_tf_anyflow_args(args) -> None:
+    """Stage-specific checks for stage tf_anyflow (nothing for other stages).
+
+    Raises trainer.args.ConfigError when the model config is not a causal two-time model whose
+    gate equals anyflow_time_gate, or a Stage1 setting is out of range. Warns when no EMA is
+    kept (Stage2 starts from Stage1's EMA).
+    """
+    from trainer.args import ConfigError, model_config
+
+    if args.stage != "tf_anyflow":
+        return
+    config = model_config(args)
+    if config.get("causal_chunk_size") is None:
+        raise ConfigError(
+            "stage tf_anyflow trains a causal (teacher-forcing) model, but "
+            "transformer_config_overrides has no `causal_chunk_size`. Set it to the latent "
+            "frames per chunk (e.g. causal_chunk_size: 2) so relay sample/eval rebuild the same "
+            "causal model.")
+    if config.get("two_time") is not True:
+        raise ConfigError(
+            "stage tf_anyflow trains a two-time model u(x, t, r), but transformer_config_overrides "
+            "does not say `two_time: true`. Add it: the warm start then loads the FM weights and "
+            "copies E_t into E_r (r_embedder.*).")
+    if float(config.get("time_gate", 0.25)) != float(args.anyflow_time_gate):
+        raise ConfigError(
+            f"anyflow_time_gate is {args.anyflow_time_gate} but the model's time_gate is "
+            f"{config.get('time_gate')}. The model config is what relay sample rebuilds: set "
+            f"transformer_config_overrides.time_gate to {args.anyflow_time_gate} (or change "
+            f"anyflow_time_gate to match).")
+    for key in ("anyflow_diffusion_ratio", "anyflow_consistency_ratio"):
+        if not 0.0 <= args[key] <= 1.0:
+            raise ConfigError(f"`{key}` must lie in [0, 1], got {args[key]}.")
+    if args.anyflow_diffusion_ratio + args.anyflow_consistency_ratio > 1.0:
+        raise ConfigError("`anyflow_diffusion_ratio` + `anyflow_consistency_ratio` exceed 1: no "
+                          "room is left for flow-map samples. Lower one of them.")
+    if not args.anyflow_epsilon > 0:
+        raise ConfigError(f"`anyflow_epsilon` must be > 0 (raw timestep units), got "
+                          f"{args.anyflow_epsilon}.")
+    if not args.anyflow_fuse_guidance_scale > 0:
+        raise ConfigError(f"`anyflow_fuse_guidance_scale` must be > 0 (the residual is divided "
+                          f"by it; 1 = no fusion), got {args.anyflow_fuse_guidance_scale}.")
+    if args.flowmap_sampling_steps < 1:
+        raise ConfigError(f"`flowmap_sampling_steps` must be at least 1, got "
+                          f"{args.flowmap_sampling_steps}.")
+    if not args.use_ema:
+        warnings.warn("stage tf_anyflow with use_ema: false. Stage2's student starts from "
+                      "Stage1's EMA; set use_ema: true unless you know you want the live weights.")
+
+
+# ---------------------------------------------------------------------------------------------
+# (t, r) pairs (§6.3)
+# ---------------------------------------------------------------------------------------------
+
+class TimePairs(NamedTuple):
+    """Per-sample normalized times (float32 [B], before the shift) and kinds (long [B])."""
+
+    t: torch.Tensor
+    r: torch.Tensor
+    kind: torch.Tensor
+
+
+def logical_rank(dp_rank: int, dp_world: int, accum: int, micro: int) -> tuple[int, int]:
+    """(rank', world') of a micro-batch: each grad-accumulation micro-batch is a logical rank."""
+    return dp_rank * accum + micro, dp_world * accum
+
+
+def kind_counts(global_batch: int, diffusion_ratio: float,
+                consistency_ratio: float) -> tuple[int, int]:
+    """(n_d, n_c): how many samples of the global batch are diffusion, then consistency.
+
+    Python's round (half to even), as the SolarWM reference does.
+    """
+    n_d = round(diffusion_ratio * global_batch)
+    n_c = min(round(consistency_ratio * global_batch), global_batch - n_d)
+    return n_d, n_c
+
+
+def pair_kinds(batch_size: int, rank: int, world: int, diffusion_ratio: float,
+               consistency_ratio: float) -> torch.Tensor:
+    """Kinds (long [batch_size]) of a rank's samples, by their global flat index.
+
+    Global index g = rank * batch_size + i over G = world * batch_size: g < n_d is diffusion,
+    then n_c consistency, the rest flow map. The concatenation over ranks depends only on G.
+    Raises ValueError for a rank outside [0, world).
+    """
+    if not 0 <= rank < world:
+        raise ValueError(f"rank must lie in [0, {world}), got {rank}")
+    n_d, n_c = kind_counts(world * batch_size, diffusion_ratio, consistency_ratio)
+    g = torch.arange(batch_size) + rank * batch_size
+    kind = torch.full((batch_size,), FLOW_MAP, dtype=torch.long)
+    kind[g < n_d + n_c] = CONSISTENCY
+    kind[g < n_d] = DIFFUSION
+    return kind
+
+
+def sample_time_pairs(batch_size: int, *, rank: int = 0, world: int = 1,
+                      diffusion_ratio: float = 0.5, consistency_ratio: float = 0.25,
+                      sampler: str = "v15",
+                      generator: torch.Generator | None = None) -> TimePairs:
+    """Normalized (t, r) per sample, r <= t, plus the kinds of `pair_kinds` (§6.3).
+
+    Two uniform draws per sample (all u1, then all u2): v15 takes t = u1, r = u2 t; nvlabs
+    t = max, r = min. Diffusion samples get r = t, consistency r = 0. Strictness 0 < r < t of
+    flow-map samples is enforced after the shift, in the dtype the model sees
+    (`raw_time_pairs`). Raises ValueError for an unknown sampler.
+    """
+    if sampler not in PAIR_SAMPLERS:
+        raise ValueError(f"unknown pair sampler {sampler!r}; valid: {', '.join(PAIR_SAMPLERS)}")
+    u1 = torch.rand(batch_size, generator=generator)
+    u2 = torch.rand(batch_size, generator=generator)
+    if sampler == "v15":
+        t, r = u1, u2 * u1
+    else:
+        t, r = torch.maximum(u1, u2), torch.minimum(u1, u2)
+    kind = pair_kinds(batch_size, rank, world, diffusion_ratio, consistency_ratio)
+    r = torch.where(kind == DIFFUSION, t, r)
+    r = torch.where(kind == CONSISTENCY, torch.zeros_like(r), r)
+    return TimePairs(t, r, kind)
+
+
+def raw_time_pairs(pairs: TimePairs, shift: float,
+                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t_raw, r_raw) = N * S(t; s), N * S(r; s) in `dtype`, [B] each.
+
+    The shift runs in float64. Flow-map samples are then made strict in `dtype` without new
+    random draws: r_raw >= the smallest positive value and t_raw > r_raw (nextafter), so the
+    shift or the cast cannot collapse them onto the diagonal or onto r = 0.
+    """
+    t = (N * flow.shift_sigma(pairs.t.double(), shift)).to(dtype)
+    r = (N * flow.shift_sigma(pairs.r.double(), shift)).to(dtype)
+    is_map = pairs.kind == FLOW_MAP
+    tiny = torch.nextafter(torch.zeros((), dtype=dtype), torch.ones((), dtype=dtype))
+    strict_r = torch.where(r > 0, r, tiny)
+    strict_t = torch.where(t > strict_r, t, torch.nextafter(strict_r, torch.full_like(r, 2 * N)))
+    return torch.where(is_map, strict_t, t), torch.where(is_map, strict_r, r)
+
+
+def pair_shift(args, num_tokens: int) -> float:
+    """The shift applied to both times: train_timestep_shift, or the dynamic one (§2.2)."""
+    if args.train_timestep_shift_mode == "dynamic":
+        return flow.dynamic_shift(num_tokens, args.dynamic_shift_base_tokens,
+                                  args.dynamic_shift_max_tokens, args.dynamic_shift_base,
+                                  args.dynamic_shift_max)
+    return args.train_timestep_shift
+
+
+# ---------------------------------------------------------------------------------------------
+# the v1.5 residual (§6.5) and the batch reduction (§6.6)
+# ---------------------------------------------------------------------------------------------
+
+def _per_frame(values: torch.Tensor) -> torch.Tensor:
+    """[B, T] per-frame values shaped to broadcast over latents [B, C, T, H, W]."""
+    return values[:, None, :, None, None]
+
+
+def _per_sample(values: torch.Tensor) -> torch.Tensor:
+    return values[:, None, None, None, None]
+
+
+def bounded_window(t: torch.Tensor, r: torch.Tensor, epsilon: float,
+                   frame_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t_plus, t_minus) = (min(t + eps, N), max(t - eps, r)), raw, shaped like t.
+
+    Frames outside frame_mask (clean, t = r = 0) keep t_plus = t_minus = t, so their inputs
+    are never moved.
+    """
+    t_plus = torch.clamp(t + epsilon, max=float(N))
+    t_minus = torch.maximum(t - epsilon, r)
+    if frame_mask is not None:
+        t_plus = torch.where(frame_mask, t_plus, t)
+        t_minus = torch.where(frame_mask, t_minus, t)
+    return t_plus, t_minus
+
+
+def anyflow_residual(u_fn: VelocityFn, x0: torch.Tensor, noise: torch.Tensor,
+                     t: torch.Tensor, r: torch.Tensor, *, epsilon: float,
+                     frame_mask: torch.Tensor | None = None,
+                     guidance: torch.Tensor | float = 1.0,
+                     u_null_fn: VelocityFn | None = None) -> tuple[torch.Tensor, dict]:
+    """The v1.5 residual (§6.5): [B, C, T, H, W] in float32 (float64 for float64 latents).
+
+    x0, noise: [B, C, T, H, W]; t, r: raw times per frame [B, T] (clean frames 0, r <= t);
+    z = (1 - t/N) x0 + (t/N) noise. Calls, in order: u(z, t, r) with gradients, then without:
+    v = u(z, t, t), u(z + v (t+ - t)/N, t+, r), u(z - v (t - t-)/N, t-, r), and u_null(z, t, t)
+    when any guidance weight differs from 1. guidance: w per sample [B] or one number.
+    Returns (residual, {"u": the prediction with gradients, "window": t+ - t-}); the residual
+    is exactly u - (noise - x0) where t = r and w = 1. Raises ValueError without u_null_fn
+    when guidance needs it.
+    """
+    work = torch.float64 if x0.dtype == torch.float64 else torch.float32
+    w = torch.as_tensor(guidance, dtype=work, device=x0.device).expand(x0.shape[0])
+    fused = bool((w != 1).any())
+    if fused and u_null_fn is None:
+        raise ValueError("guidance fusion (w != 1) needs u_null_fn, the null-caption prediction")
+    z = flow.interpolate(x0, noise, t / N)
+    u = u_fn(z, t, r)
+    with torch.no_grad():
+        v_hat = u_fn(z, t, t).to(work)
+        t_plus, t_minus = bounded_window(t, r, epsilon, frame_mask)
+        z_plus = z + (v_hat * _per_frame((t_plus - t).to(work)) / N).to(z.dtype)
+        z_minus = z - (v_hat * _per_frame((t - t_minus).to(work)) / N).to(z.dtype)
+        u_plus = u_fn(z_plus, t_plus, r).to(work)
+        u_minus = u_fn(z_minus, t_minus, r).to(work)
+        width = (t_plus - t_minus).to(work)
+        derivative = (u_plus - u_minus) / _per_frame(width.clamp_min(MIN_WINDOW))
+        if frame_mask is not None:  # clean frames: a zero-width window, no derivative
+            derivative = torch.where(_per_frame(frame_mask), derivative, torch.zeros_like(derivative))
+        correction = _per_frame((t - r).to(work)) * derivative
+        target = flow.velocity_target(x0.to(work), noise.to(work))
+        if fused:
+            u_null = u_null_fn(z, t, t).to(work)
+            target = _per_sample(w) * target + _per_sample(1 - w) * u_null
+    residual = u.to(work) + correction - target
+    if fused:
+        residual = residual / _per_sample(w)
+    return residual, {"u": u, "window": width}
+
+
+def masked_mean_square(residual: torch.Tensor, frame_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-sample mean of residual**2 over the frames in frame_mask [B, T]: [B].
+
+    Masked elements contribute neither value nor gradient (where() before squaring, so even a
+    non-finite residual there is harmless); a sample with no valid frame scores 0.
+    """
+    b = residual.shape[0]
+    if frame_mask is None:
+        return residual.square().reshape(b, -1).mean(dim=1)
+    mask = _per_frame(frame_mask.to(device=residual.device, dtype=torch.bool)).expand_as(residual)
+    residual = torch.where(mask, residual, torch.zeros((), dtype=residual.dtype, device=residual.device))
+    valid = mask.reshape(b, -1).sum(dim=1).clamp_min(1)
+    return residual.square().reshape(b, -1).sum(dim=1) / valid
+
+
+def gather_across_ranks(values: torch.Tensor) -> torch.Tensor:
+    """The concatenation over data-parallel ranks of a detached 1-D tensor (itself in one process).
+
+    cp_size is 1 (context parallel is refused at start), so the world group is the DP group.
+    """
+    import torch.distributed as dist
+
+    values = values.detach()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    work = values.cuda() if dist.get_backend() == "nccl" else values.cpu()
+    parts = [torch.empty_like(work) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, work)
+    return torch.cat(parts).to(values.device)
+
+
+def adaptive_rescale(losses: torch.Tensor, is_diffusion: torch.Tensor, *,
+                     gather: Callable[[torch.Tensor], torch.Tensor] = gather_across_ranks,
+                     eps: float = RESCALE_EPS) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rescale non-diffusion per-sample losses toward the mean diffusion loss (§6.6).
+
+    mean_d = mean of the finite diffusion losses over all ranks (gathered, detached). Diffusion
+    samples are returned unchanged; every other L_i becomes L_i * sg(mean_d / (L_i + eps)), so
+    its value is ~mean_d and its gradient (mean_d / (L_i + eps)) grad L_i. Identity when no
+    finite diffusion reference exists anywhere. Returns (losses [B], mean_d or None).
+    """
+    all_losses = gather(losses.detach())
+    all_diffusion = gather(is_diffusion.to(torch.float32)) > 0.5
+    reference = all_losses[all_diffusion]
+    reference = reference[torch.isfinite(reference)]
+    if reference.numel() == 0:
+        return losses, None
+    mean_d = reference.mean().to(losses)
+    scale = mean_d / (losses.detach() + eps)
+    scale = torch.where(torch.isfinite(scale), scale, torch.ones_like(scale))
+    return torch.where(is_diffusion, losses, losses * scale), mean_d
+
+
+def reduce_anyflow_losses(losses: torch.Tensor, is_diffusion: torch.Tensor,
+                          time_weight: torch.Tensor, *,
+                          gather: Callable[[torch.Tensor], torch.Tensor] = gather_across_ranks
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The batch loss mean_i(rescaled L_i * w_time_i): rescale first, then the time weight
+    (SolarWM order, §6.6; NVlabs weights first, which cancels the weight of rescaled samples).
+
+    Returns (loss, mean_d or None) as adaptive_rescale.
+    """
+    rescaled, mean_d = adaptive_rescale(losses, is_diffusion, gather=gather)
+    return (rescaled * time_weight.to(rescaled)).mean(), mean_d
+
+
+# ---------------------------------------------------------------------------------------------
+# the stage
+# ---------------------------------------------------------------------------------------------
+
+class TeacherForcingForward(nn.Module):
+    """`forward` = model.forward_teacher_forcing, so DDP's hooks see every u call."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, noisy, clean, t, text, text_mask=None, r=None):
+        return self.model.forward_teacher_forcing(noisy, clean, t, text, text_mask, r=r)
+
+
+def caption_drop_mask(batch_size: int, prob: float,
+                      generator: torch.Generator | None = None) -> torch.Tensor:
+    """bool [B]: which captions are replaced by the null caption (for CFG and u_null)."""
+    if prob <= 0:
+        return torch.zeros(batch_size, dtype=torch.bool)
+    return torch.rand(batch_size, generator=generator) < prob
+
+
+def with_null_captions(text: torch.Tensor, mask: torch.Tensor, drop: torch.Tensor,
+                       null_text: torch.Tensor, null_mask: torch.Tensor):
+    """(text, mask) with the dropped samples' captions replaced by the null caption [L, D]."""
+    drop = drop.to(text.device)
+    text = torch.where(drop[:, None, None], null_text.to(text)[None], text)
+    mask = torch.where(drop[:, None], null_mask.to(mask.device)[None], mask)
+    return text, mask
+
+
+def anyflow_batch_loss(u_model: nn.Module, batch: dict, args, null_text: torch.Tensor,
+                       null_mask: torch.Tensor, *, rank: int, world: int,
+                       num_tokens: int) -> tuple[torch.Tensor, dict]:
+    """The Stage1 loss of one micro-batch (§6.8) and its diagnostics.
+
+    u_model: called as u_model(noisy, clean, t, text, text_mask, r) -> the noisy-half
+    teacher-forcing prediction (TeacherForcingForward, possibly DDP-wrapped). rank, world:
+    the logical data-parallel position of this micro-batch. Returns (loss, stats) where stats
+    holds per-kind sums and counts of the unscaled losses and the diffusion reference.
+    """
+    x0 = batch["latents"]
+    device, b, frames = x0.device, x0.shape[0], x0.shape[2]
+    drop = caption_drop_mask(b, args.cfg_drop_prob)
+    text, mask = with_null_captions(batch["text"], batch["text_mask"], drop, null_text, null_mask)
+    pairs = sample_time_pairs(b, rank=rank, world=world,
+                              diffusion_ratio=args.anyflow_diffusion_ratio,
+                              consistency_ratio=args.anyflow_consistency_ratio,
+                              sampler=args.anyflow_pair_sampler)
+    time_dtype = torch.float64 if x0.dtype == torch.float64 else torch.float32
+    t_raw, r_raw = (v.to(device) for v in raw_time_pairs(pairs, pair_shift(args, num_tokens),
+                                                         time_dtype))
+    clean = sample_condition_frames(b, frames, image_prob=args.image_cond_prob,
+                                    video_prob=args.video_cond_prob,
+                                    video_frames=args.video_cond_frames).to(device)
+    frame_mask = torch.arange(frames, device=device)[None, :] >= clean[:, None]  # in the loss
+    zero = torch.zeros((), dtype=time_dtype, device=device)
+    t_frames = torch.where(frame_mask, t_raw[:, None], zero)  # clean frames: t = r = 0
+    r_frames = torch.where(frame_mask, r_raw[:, None], zero)
+    null_b = null_text.to(text)[None].expand(b, -1, -1)
+    null_mask_b = null_mask.to(mask.device)[None].expand(b, -1)
+
+    def u_fn(z, t, r):
+        return u_model(z, x0, t, text, mask, r)
+
+    def u_null_fn(z, t, r):
+        return u_model(z, x0, t, null_b, null_mask_b, r)
+
+    # Fusion applies to captioned samples; a dropped caption keeps the plain target (w = 1),
+    # which trains u(. | null) on its own velocity.
+    w = torch.where(drop, 1.0, float(args.anyflow_fuse_guidance_scale)).to(device)
+    residual, _ = anyflow_residual(u_fn, x0, torch.randn_like(x0), t_frames, r_frames,
+                                   epsilon=args.anyflow_epsilon, frame_mask=frame_mask,
+                                   guidance=w, u_null_fn=u_null_fn)
+    losses = masked_mean_square(residual, frame_mask)
+    kind = pairs.kind.to(device)
+    weight = flow.loss_weight((t_raw / N).float(), args.loss_weighting,
+                              pair_shift(args, num_tokens))
+    loss, mean_d = reduce_anyflow_losses(losses, kind == DIFFUSION, weight)
+    return loss, _kind_stats(losses.detach(), kind, mean_d)
+
+
+def _kind_stats(losses: torch.Tensor, kind: torch.Tensor, mean_d) -> dict:
+    stats = {}
+    for code, name in KIND_NAMES.items():
+        pick = losses[kind == code]
+        stats[f"sum_{name}"] = float(pick.sum())
+        stats[f"count_{name}"] = int(pick.numel())
+    stats["mean_d"] = None if mean_d is None else float(mean_d)
+    return stats
+
+
+class TFAnyFlowStage(Stage):
+    """Stage1: one causal two-time transformer, its optimizer, LR schedule and EMA."""
+
+    name = "tf_anyflow"
+
+    def __init__(self, model: nn.Module, train_model: nn.Module, optimizer, scheduler, ema,
+                 data, args, text_encoder, device: torch.device, dp_rank: int = 0,
+                 dp_world: int = 1):
+        self.model = model                    # the bare module (checkpoints, sampling)
+        self.train_model = train_model        # TeacherForcingForward, DDP-wrapped or bare
+        self.roles = {"transformer": model}
+        self.optimizers = {"transformer": optimizer}
+        self.schedulers = {"transformer": scheduler}
+        self.emas = {"transformer": ema} if ema is not None else {}
+        self.data = data
+        self.args = args
+        self.device = device
+        self.dp_rank, self.dp_world = dp_rank, dp_world
+        self.text_encoder = text_encoder
+        self.tokens_per_sample = 0
+        null_text, null_mask = text_encoder.null_embedding()
+        self.null_text = null_text[0].to(device)  # [L, D]: one null caption
+        self.null_mask = null_mask[0].to(device)
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """One optimizer step over gradient_accumulation_steps micro-batches; the numbers to log."""
+        args = self.args
+        accum = args.gradient_accumulation_steps
+        optimizer = self.optimizers["transformer"]
+        total, samples, stats = 0.0, 0, []
+        for micro in range(accum):
+            batch = _to_device(self.data.next_batch(), self.device)
+            samples += batch["latents"].shape[0]
+            self.tokens_per_sample = self.num_tokens(batch)
+            rank, world = logical_rank(self.dp_rank, self.dp_world, accum, micro)
+            sync = micro == accum - 1 or not hasattr(self.train_model, "no_sync")
+            ctx = self.train_model.no_sync() if not sync else contextlib.nullcontext()
+            with ctx:
+                with autocast_context(self.device, args.dtype):
+                    loss, micro_stats = anyflow_batch_loss(
+                        self.train_model, batch, args, self.null_text, self.null_mask,
+                        rank=rank, world=world, num_tokens=self.tokens_per_sample)
+                (loss / accum).backward()
+            total += float(loss.detach()) / accum
+            stats.append(micro_stats)
+        grad_norm = clip_and_check(step, self.model, total, args.max_grad_norm)
+        optimizer.step()
+        self.schedulers["transformer"].step()
+        optimizer.zero_grad(set_to_none=True)
+        if "transformer" in self.emas:
+            self.emas["transformer"].update(self.model, step)
+        return {"loss": total, "grad_norm": grad_norm, "lr": optimizer.param_groups[0]["lr"],
+                "samples": samples, **_merge_stats(stats)}
+
+    def warm_start(self, args) -> dict:
+        """Load the FM (SFT) weights with E_r := E_t (`load_two_time_weights`); the EMA
+        restarts from them. Returns the load report. Raises CheckpointError."""
+        report = load_two_time_weights(
+            self.model, args.pretrained_transformer_path, weights=args.pretrained_weights,
+            allow_missing=args.warm_start_allow_missing,
+            allow_unexpected=args.warm_start_allow_unexpected)
+        for ema in self.emas.values():
+            ema.reset(self.model)
+        return report
+
+    def num_tokens(self, batch: dict) -> int:
+        pt, ph, pw = self.model.config["patch_size"]
+        _, _, t, h, w = batch["latents"].shape
+        return (t // pt) * (h // ph) * (w // pw)
+
+    def sampling_model(self, weights: str = "live") -> nn.Module:
+        return self.model
+
+
+def load_two_time_weights(model: nn.Module, path, *, weights: str, allow_missing=(),
+                          allow_unexpected=()) -> dict:
+    """Warm-start a two-time model from FM weights: E_r := copy of E_t when the source has no
+    r_embedder.* (§6.1); a source that holds them (a Stage1 checkpoint) keeps its E_r.
+
+    The model is built from the Stage1 config (two_time: true), so its config is already the
+    one relay sample rebuilds. Returns load_warm_start's report plus "r_embedder" ("copied
+    from time_embedder" | "loaded"). Raises CheckpointError for a source that does not fit,
+    or that holds only some of the r_embedder tensors.
+    """
+    from trainer.checkpoint import CheckpointError, load_warm_start
+
+    report = load_warm_start(path, model, weights=weights,
+                             allow_missing=[*allow_missing, "r_embedder.*"],
+                             allow_unexpected=allow_unexpected)
+    r_keys = {k for k in model.state_dict() if k.startswith("r_embedder.")}
+    missing_r = r_keys & set(report["missing"] + report["skipped_shape_mismatch"])
+    if missing_r and missing_r != r_keys:
+        raise CheckpointError(
+            f"warm start from {report['source']} holds only some of the r_embedder tensors "
+            f"(missing {sorted(missing_r)}); E_r must come whole from the source or be copied "
+            f"whole from E_t.")
+    if missing_r:
+        copy_time_embedding(model)
+        report["r_embedder"] = "copied from time_embedder"
+    else:
+        report["r_embedder"] = "loaded"
+    return report
+
+
+@torch.no_grad()
+def copy_time_embedding(model: nn.Module) -> None:
+    """E_r := E_t in place (§6.1), so u(x, t, t) equals the FM model exactly afterwards.
+
+    The same state as VideoDiT.enable_two_time, for a model that was built two-time (its
+    config already says two_time: true). Raises ValueError for a single-time model.
+    """
+    if getattr(model, "r_embedder", None) is None:
+        raise ValueError("the model has no r_embedder: build it with two_time: true")
+    model.r_embedder.load_state_dict(model.time_embedder.state_dict())
+
+
+def _merge_stats(stats: list[dict]) -> dict:
+    """Per-kind mean unscaled losses over the micro-batches (kinds absent this step left out)."""
+    out = {}
+    for name in KIND_NAMES.values():
+        count = sum(s[f"count_{name}"] for s in stats)
+        if count:
+            out[f"loss_{name}"] = sum(s[f"sum_{name}"] for s in stats) / count
+    refs = [s["mean_d"] for s in stats if s["mean_d"] is not None]
+    if refs:
+        out["diffusion_reference"] = sum(refs) / len(refs)
+    return out
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+            for k, v in batch.items()}
+
+
+def build_tf_anyflow_stage(args, topo) -> TFAnyFlowStage:
+    """Model, optimizer, LR schedule, EMA and data for Stage1. Raises ConfigError (see
+    validate_tf_anyflow_args)."""
+    from trainer.ema import EMA
+    from trainer.optim import build_lr_scheduler, build_optimizer
+    from trainer.stages import build_data, build_model, build_text_encoder, wrap_for_training
+
+    validate_tf_anyflow_args(args)
+    model = build_model(args, topo.device)
+    optimizer = build_optimizer(
+        model, use_muon=args.use_muon, learning_rate=args.learning_rate,
+        muon_learning_rate=args.muon_learning_rate, weight_decay=args.weight_decay,
+        betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+    scheduler = build_lr_scheduler(
+        optimizer, lr_scheduler_type=args.lr_scheduler_type, warmup_steps=args.warmup_steps,
+        max_steps=args.max_steps, lr_decay_steps=args.lr_decay_steps,
+        lr_decay_floor_ratio=args.lr_decay_floor_ratio)
+    ema = (EMA(model, args.ema_decay, start=args.ema_start_step,
+               update_every=args.ema_update_every) if args.use_ema else None)
+    return TFAnyFlowStage(model, wrap_for_training(TeacherForcingForward(model), topo), optimizer,
+                          scheduler, ema, build_data(args, topo), args, build_text_encoder(args),
+                          topo.device, dp_rank=topo.dp_rank, dp_world=topo.dp_world)
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling (§6.9)
+# ---------------------------------------------------------------------------------------------
+
+def flowmap_step(x: torch.Tensor, t, r, u: torch.Tensor) -> torch.Tensor:
+    """X_{t->r}(x) = x - (t - r) u for normalized times t >= r (floats or per-sample [B])."""
+    dt = torch.as_tensor(t, dtype=x.dtype, device=x.device) - torch.as_tensor(r, dtype=x.dtype,
+                                                                             device=x.device)
+    if dt.ndim == 1:
+        dt = dt.view(-1, *([1] * (x.ndim - 1)))
+    return x - dt * u.to(x.dtype)
+
+
+def _cfg_text(text, text_mask, null_text, null_mask):
+    """[text; null] batched (2B), both padded to one length, for cond/uncond in one forward."""
+    b = text.shape[0]
+    null_text = null_text.to(text).expand(b, -1, -1)
+    null_mask = null_mask.to(text_mask.device).expand(b, -1)
+    length = max(text.shape[1], null_text.shape[1])
+
+    def pad(x):
+        extra = length - x.shape[1]
+        return x if extra == 0 else torch.cat([x, x.new_zeros((b, extra, *x.shape[2:]))], dim=1)
+
+    return (torch.cat([pad(text), pad(null_text)]), torch.cat([pad(text_mask), pad(null_mask)]))
+
+
+def _guided(call, x, t, r, guidance: float) -> torch.Tensor:
+    """call(x, t, r) with the batch as given (w = 1), or doubled [cond; uncond] and combined
+    as u + w (c - u)."""
+    if guidance == 1.0:
+        return call(x, t, r)
+    cond, uncond = call(torch.cat([x, x]), torch.cat([t, t]), torch.cat([r, r])).chunk(2)
+    return uncond + guidance * (cond - uncond)
+
+
+def _denoise(call, x: torch.Tensor, sigmas: list[float], clean: int, guidance: float):
+    """Flow-map steps over the grid `sigmas` for latents x [B, C, F, H, W]; the first `clean`
+    frames stay as given at t = r = 0."""
+    b, frames = x.shape[0], x.shape[2]
+    kept = x[:, :, :clean].clone()
+    for s, s_next in zip(sigmas[:-1], sigmas[1:]):
+        t = torch.full((b, frames), s * N, dtype=x.dtype, device=x.device)
+        r = torch.full((b, frames), s_next * N, dtype=x.dtype, device=x.device)
+        t[:, :clean] = 0.0
+        r[:, :clean] = 0.0
+        x = flowmap_step(x, s, s_next, _guided(call, x, t, r, guidance))
+        x[:, :, :clean] = kept
+    return x
+
+
+@torch.no_grad()
+def sample_flowmap(model: nn.Module, text: torch.Tensor, text_mask: torch.Tensor,
+                   null_text: torch.Tensor, null_mask: torch.Tensor, *, shape: tuple[int, ...],
+                   steps: int, guidance: float, shift: float = 1.0,
+                   generator: torch.Generator | None = None,
+                   first_frame: torch.Tensor | None = None) -> torch.Tensor:
+    """Flow-map sampling (§6.9): latents of `shape` [B, C, T, H, W] after `steps` jumps.
+
+    Grid sigma_k = S(1 - k/steps; shift); each step x <- x - (t - r) u(x, t, r). A causal
+    model (causal_chunk_size set) goes chunk by chunk through its KV cache and commits each
+    finished chunk clean (t = r = 0); a bidirectional one denoises the whole clip. guidance w
+    != 1 applies u + w (c - u) with cond and uncond batched (a guidance-fused model samples
+    with w = 1). first_frame [B, C, F0, H, W] stays clean. The noise comes from `generator`
+    (CPU), so results do not depend on the device. Raises ValueError for steps < 1.
+    """
+    device = text.device
+    param = next(model.parameters())
+    work = torch.float64 if param.dtype == torch.float64 else torch.float32
+    x = torch.randn(shape, generator=generator).to(device=device, dtype=work)
+    sigmas = flow.sampling_sigmas(steps, shift, dtype=torch.float64).tolist()
+    clean = 0 if first_frame is None else first_frame.shape[2]
+    if clean:
+        x[:, :, :clean] = first_frame.to(x)
+    if guidance != 1.0:
+        text, text_mask = _cfg_text(text, text_mask, null_text, null_mask)
+    chunk = model.config["causal_chunk_size"]
+    to_model = param.dtype
+
+    if chunk is None:
+        def call(y, t, r):
+            return model(y.to(to_model), t, text, text_mask, r=r).to(work)
+
+        return _denoise(call, x, sigmas, clean, guidance)
+
+    cache = model.new_kv_cache(text, text_mask)
+    frames = shape[2]
+    for start in range(0, frames, chunk):
+        stop = min(start + chunk, frames)
+
+        def call(y, t, r, start=start):
+            return model.forward_chunk(y.to(to_model), t, cache, start, r_chunk=r).to(work)
+
+        done = _denoise(call, x[:, :, start:stop], sigmas, max(0, min(clean - start, stop - start)),
+                        guidance)
+        x[:, :, start:stop] = done
+        commit = done if guidance == 1.0 else torch.cat([done, done])
+        model.commit_chunk(commit.to(to_model), cache, start)
+    return x
