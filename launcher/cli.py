@@ -54,11 +54,11 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 
 def cmd_export(ns: argparse.Namespace) -> int:
     from trainer.checkpoint import CheckpointError
-    from trainer.inference import export_checkpoint
+    from trainer.inference import InferenceError, export_checkpoint
 
     try:
         out = export_checkpoint(ns.path, ns.out, weights=ns.weights)
-    except CheckpointError as exc:
+    except (CheckpointError, InferenceError) as exc:
         print(f"relay export: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {out} and {out.with_name('model_config.json')}")
@@ -77,8 +77,8 @@ def _load_pipeline(ns: argparse.Namespace, verb: str, *, check_paths: bool = Tru
         return validate_pipeline(ns.pipeline, root=ns.root, from_stage=ns.from_stage,
                                  only=ns.only, check_paths=check_paths)
     except PipelineError as exc:
-        print(f"relay {verb}: {ns.pipeline}: nothing was {'submitted' if verb == 'submit' else 'run'}, "
-              f"because:\n{exc}", file=sys.stderr)
+        done = {"submit": "submitted", "run": "run", "render": "rendered"}[verb]
+        print(f"relay {verb}: {ns.pipeline}: nothing was {done}, because:\n{exc}", file=sys.stderr)
         return None
 
 
@@ -151,9 +151,9 @@ def cmd_submit(ns: argparse.Namespace) -> int:
     try:
         slurm.submit_pipeline(pipeline, on_submit=record)
     except slurm.SlurmError as exc:
-        if previous is not None:
-            write_record(pipeline.root, previous)
-        print(f"relay submit: {exc}. Jobs submitted before it were cancelled.", file=sys.stderr)
+        # pipeline.json keeps the jobs that were submitted (now cancelled): status shows them.
+        cancelled = f" Cancelled the jobs submitted before it: {', '.join(launched)}." if launched else ""
+        print(f"relay submit: {exc}.{cancelled}", file=sys.stderr)
         return 1
     print(f"watch it: relay status {pipeline.root}")
     return 0

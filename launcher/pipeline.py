@@ -432,7 +432,8 @@ def load_pipeline_yaml(path: str | os.PathLike, *, root: str | None = None) -> d
         for key in stage.keys():
             if key not in STAGE_KEYS:
                 problems.append(_unknown(f"stage {stage_name}", str(key), STAGE_KEYS))
-        if stage.get("output_dir") is None:
+        # Unresolved: an interpolation must not be evaluated before every default is in place.
+        if OmegaConf.to_container(stage, resolve=False).get("output_dir") is None:
             stage.output_dir = "${root}/" + str(stage_name)
     if problems:
         raise PipelineError(problems)
@@ -600,6 +601,14 @@ def weight_path_keys(args) -> list[str]:
             and args.get(k) is not None]
 
 
+def weights_choice(args, key: str) -> str:
+    """Which weights (live | ema) the path `key` is read with: its `*_weights` sibling key."""
+    sibling = "pretrained_weights" if key == "pretrained_transformer_path" else (
+        key[: -len("_path")] + "_weights" if key.endswith("_path") else None)
+    value = args.get(sibling) if sibling else None
+    return value if value in ("live", "ema") else "live"
+
+
 def has_complete_checkpoint(output_dir: str | os.PathLike) -> bool:
     """Whether `output_dir` holds at least one checkpoint-<step>/ with its COMPLETE marker."""
     from trainer.checkpoint_layout import list_checkpoints
@@ -634,9 +643,8 @@ def check_weight_sources(spec: StageSpec, launched: list[StageSpec], output_dirs
             problems.append(f"stage {spec.name}: `{key}` ({value}) is in the output_dir of stage "
                             f"{producer}, which does not run before it.")
             continue
-        weights = spec.args.get("pretrained_weights", "live") if key == "pretrained_transformer_path" else "live"
         try:
-            resolve_weights_source(value, weights=weights)
+            resolve_weights_source(value, weights=weights_choice(spec.args, key))
         except CheckpointError as exc:
             hint = ""
             if producer is not None:

@@ -164,7 +164,7 @@ def submit_stage(stage: StageSpec, *, dependency: str | None, workdir: str | Pat
     try:
         submitted = executor.submit(job)
     except (subprocess.CalledProcessError, submitit.core.utils.FailedSubmissionError,
-            OSError) as exc:
+            submitit.core.utils.FailedJobError, OSError) as exc:
         detail = getattr(exc, "output", None) or getattr(exc, "stderr", None) or exc
         if isinstance(detail, bytes):
             detail = detail.decode(errors="replace")

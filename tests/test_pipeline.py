@@ -286,3 +286,29 @@ def test_validation_result_is_json_serialisable_for_the_record(tmp_path):
     pipeline = validate_pipeline(write_pipeline(tmp_path, two_stages(tmp_path)), cwd=tmp_path)
     json.dumps([s.args for s in pipeline.stages])
     json.dumps([list(s.train_argv) for s in pipeline.stages])
+
+
+def four_stages(tmp_path: Path) -> dict:
+    data = two_stages(tmp_path)
+    data["stages"]["stage1"] = {"config": str(ROOT / "config/tiny/stage1.yaml"), "overrides": {
+        "pretrained_transformer_path": "${stages.sft.output_dir}"}}
+    data["stages"]["stage2"] = {"config": str(ROOT / "config/tiny/stage2.yaml"), "overrides": {
+        "student_init_path": "${stages.stage1.output_dir}",
+        "teacher_init_path": "${stages.sft.output_dir}",
+        "critic_init_path": "${stages.sft.output_dir}"}}
+    return data
+
+
+def test_stage2_weight_sources_from_two_stages_are_wired_and_each_checked(tmp_path):
+    path = write_pipeline(tmp_path, four_stages(tmp_path))
+    pipeline = validate_pipeline(path, cwd=tmp_path)
+    stage2 = pipeline.stage("stage2")
+    runs = tmp_path / "runs"
+    assert (stage2.args.student_init_path, stage2.args.teacher_init_path,
+            stage2.args.critic_init_path) == (str(runs / "stage1"), str(runs / "sft"), str(runs / "sft"))
+    assert stage2.depends_on == ("stage1",)
+
+    problems = problems_of(path, only="stage2")
+    assert sorted(p.split("`")[1] for p in problems) == ["critic_init_path", "student_init_path",
+                                                          "teacher_init_path"]
+    assert all("--from" in p for p in problems)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -330,6 +331,32 @@ def test_rescale_reference_is_gathered_over_all_ranks():
     out, mean_d = adaptive_rescale(torch.tensor([2.0, 5.0]), torch.tensor([True, False]), gather=gather)
     assert mean_d.item() == pytest.approx(3.0)
     assert out[1].item() == pytest.approx(3.0, rel=1e-4)
+
+
+def _rescale_on_rank(rank, world, store):
+    import torch.distributed as dist
+
+    from trainer.stages.tf_anyflow import _sum_across_ranks
+
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
+    try:
+        # rank 0 holds the diffusion samples, rank 1 only flow-map ones (the global index order)
+        losses = torch.tensor([1.0, 3.0]) if rank == 0 else torch.tensor([8.0, 0.5])
+        out, mean_d = adaptive_rescale(losses, torch.tensor([rank == 0, rank == 0]))
+        assert mean_d.item() == pytest.approx(2.0)
+        if rank == 1:
+            assert torch.allclose(out, torch.full((2,), 2.0), rtol=1e-4)
+        assert _sum_across_ranks([1.0, float(rank)]) == [2.0, 1.0]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not os.environ.get("RELAY_MULTIPROCESS_TESTS"),
+                    reason="spawns 2 gloo ranks; set RELAY_MULTIPROCESS_TESTS=1")
+def test_rescale_reference_reaches_a_rank_without_diffusion_samples(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rescale_on_rank, args=(2, f"file://{tmp_path / 'store'}"), nprocs=2, join=True)
 
 
 def test_time_weight_is_applied_after_the_rescale():

@@ -152,12 +152,14 @@ def test_submit_chains_pretrain_into_sft_with_weights_secrets_and_hostile_names_
     assert "RESUMES" in again.stdout  # sft's own output_dir already holds checkpoints
 
 
-def test_usr2_saves_requeues_and_resumes_without_losing_or_repeating_a_step(
+def test_usr2_to_every_rank_saves_requeues_and_resumes_without_losing_or_repeating_a_step(
         slurm_cluster, tmp_path):
     name = unique("relay-it-requeue-")
     steps = 50
+    # Two ranks (srun tasks, gloo): each gets the signal itself; rank 0 requeues.
     path = write_pipeline(tmp_path, name, {"pretrain": stage(
-        "pretrain", tmp_path, max_steps=steps, save_interval=1000)}, max_requeues=2)
+        "pretrain", tmp_path, max_steps=steps, save_interval=1000)}, max_requeues=2,
+        tasks_per_node=2)
     proc = relay("submit", str(path), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     root = tmp_path / "runs"
@@ -169,8 +171,10 @@ def test_usr2_saves_requeues_and_resumes_without_losing_or_repeating_a_step(
     assert wait_final([job], timeout=400) == {job: "COMPLETED"}
 
     assert logged_steps(out) == list(range(1, steps + 1))
+    assert json.loads((out / "launch-manifest.json").read_text())["world_size"] == 2
     log = (out / "slurm" / f"{job}_0_log.out").read_text()
     assert "requeueing job" in log
+    assert "preemption signal SIGUSR2" in (out / "slurm" / f"{job}_1_log.out").read_text()
     saved = [p.name for p in out.glob("checkpoint-*")]
     assert f"checkpoint-{steps}" in saved and len(saved) == 2, saved  # the preemption save + the last
     status = relay("status", str(root)).stdout.splitlines()
@@ -213,6 +217,22 @@ def test_invalid_pipeline_submits_nothing(slurm_cluster, tmp_path):
     assert "stage sft:" in proc.stderr and "learning_rate" in proc.stderr
     assert not (tmp_path / "runs" / "pipeline.json").exists()
     assert jobs_named(name) == []
+
+
+def test_a_refused_submission_cancels_the_stages_already_submitted(slurm_cluster, tmp_path):
+    name = unique("relay-it-refused-")
+    sft = stage("sft", tmp_path, max_steps=3,
+                pretrained_transformer_path="${stages.pretrain.output_dir}")
+    sft["resources"] = {"partition": "no-such-partition"}
+    path = write_pipeline(tmp_path, name, {"pretrain": stage("pretrain", tmp_path, max_steps=500),
+                                           "sft": sft})
+    proc = relay("submit", str(path), cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "sbatch refused stage sft" in proc.stderr and "partition" in proc.stderr.lower()
+    record = json.loads((tmp_path / "runs" / "pipeline.json").read_text())
+    first = record["stages"]["pretrain"]["job_id"]
+    assert record["stages"]["sft"]["job_id"] is None
+    assert wait_final([first], timeout=120) == {first: "CANCELLED"}
 
 
 def test_cancel_stops_every_queued_or_running_stage(slurm_cluster, tmp_path):

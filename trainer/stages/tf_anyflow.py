@@ -544,16 +544,37 @@ def copy_time_embedding(model: nn.Module) -> None:
 
 
 def _merge_stats(stats: list[dict]) -> dict:
-    """Per-kind mean unscaled losses over the micro-batches (kinds absent this step left out)."""
+    """Per-kind mean unscaled losses over the step's micro-batches on all ranks (a kind absent
+    everywhere this step is left out), and the mean diffusion reference.
+
+    Summed over ranks because kinds follow the global index: rank 0 alone may hold only
+    diffusion samples.
+    """
+    names = list(KIND_NAMES.values())
+    totals = _sum_across_ranks([sum(s[f"{part}_{name}"] for s in stats)
+                                for name in names for part in ("sum", "count")])
     out = {}
-    for name in KIND_NAMES.values():
-        count = sum(s[f"count_{name}"] for s in stats)
+    for i, name in enumerate(names):
+        total, count = totals[2 * i], totals[2 * i + 1]
         if count:
-            out[f"loss_{name}"] = sum(s[f"sum_{name}"] for s in stats) / count
+            out[f"loss_{name}"] = total / count
     refs = [s["mean_d"] for s in stats if s["mean_d"] is not None]
     if refs:
         out["diffusion_reference"] = sum(refs) / len(refs)
     return out
+
+
+def _sum_across_ranks(values: list[float]) -> list[float]:
+    """Element-wise sum over all ranks (the values themselves in one process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        tensor = tensor.cuda()
+    dist.all_reduce(tensor)
+    return tensor.cpu().tolist()
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:

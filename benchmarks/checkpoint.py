@@ -1,0 +1,304 @@
+"""Checkpoint throughput against the disk it writes to, and how long a save blocks training.
+
+    python benchmarks/checkpoint.py [--size-mb 300] [--dir /path/on/the/checkpoint/disk]
+                                    [--repeats 3] [--json benchmarks/results/checkpoint.json]
+
+What it measures, all in one run and on one directory (so on one disk):
+
+1. raw disk: write a file as large as the checkpoint in 16 MiB chunks and fsync it (write
+   MB/s); drop that file's pages from the page cache (posix_fadvise DONTNEED) and read it back
+   (cold read MB/s), then read it again (warm read: page cache).
+2. save: `trainer.checkpoint.save_checkpoint` of a model + AdamW state of about --size-mb
+   (weights are a third of it, the two moment tensors the rest), synchronous, everything
+   fsynced and published (COMPLETE, rename). MB/s = bytes on disk / seconds.
+3. load: `trainer.checkpoint.load_checkpoint` of that checkpoint into a fresh model and
+   optimizer, cold (its files dropped from the page cache first) and warm.
+4. blocking: `CheckpointManager` timings. Sync: `blocked_s` is the whole save. Async:
+   `blocked_s` is the copy to host memory; training steps then run while the background
+   thread writes, and their step time is compared with steps run without a save in flight.
+
+Each figure is the median over --repeats. A table goes to stdout, everything to --json.
+Dropping a file's cached pages needs no privileges and touches no other file. If cold and
+warm reads come out alike, the kernel kept the pages (or the disk is as fast as memory): the
+"cold" figures are then page-cache figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from torch import nn
+
+from trainer.checkpoint import (
+    CheckpointManager,
+    load_checkpoint,
+    model_state,
+    optimizer_state,
+    save_checkpoint,
+)
+
+CHUNK = 16 << 20
+MB = 1e6
+
+
+def build_state(size_mb: float, width: int = 2048, seed: int = 0):
+    """A stack of width x width linear layers and an AdamW that has stepped once.
+
+    Weights are 1/3 of the bytes, AdamW's exp_avg and exp_avg_sq the other 2/3.
+    """
+    per_layer = (width * width + width) * 4 * 3
+    layers = max(1, round(size_mb * MB / per_layer))
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    train_step(model, optimizer)
+    return model, optimizer
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: int = 16) -> None:
+    x = torch.randn(batch, model[0].in_features)
+    loss = model(x).square().mean()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+
+
+def members(model, optimizer) -> dict:
+    return {"transformer": model_state(model), "optimizer": optimizer_state(model, optimizer)}
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def drop_cache(path: Path) -> bool:
+    """Ask the kernel to forget the cached pages of `path` (a file or every file below a dir)."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages are not dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
+
+
+def raw_write(path: Path, size: int) -> float:
+    block = os.urandom(CHUNK)  # incompressible, like weights
+    start = time.perf_counter()
+    with open(path, "wb") as handle:
+        left = size
+        while left > 0:
+            handle.write(block[: min(CHUNK, left)])
+            left -= CHUNK
+        handle.flush()
+        os.fsync(handle.fileno())
+    return time.perf_counter() - start
+
+
+def raw_read(path: Path) -> float:
+    start = time.perf_counter()
+    with open(path, "rb", buffering=0) as handle:
+        buffer = bytearray(CHUNK)
+        while handle.readinto(buffer):
+            pass
+    return time.perf_counter() - start
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def run(size_mb: float, work: Path, repeats: int, async_steps: int,
+        baseline_steps: int = 3) -> dict:
+    model, optimizer = build_state(size_mb)
+    params = sum(p.numel() for p in model.parameters())
+    results: dict = {"repeats": repeats, "parameters": params}
+
+    # Warm up allocation and DCP's imports and planners (the first save is slower).
+    save_checkpoint(work / "warmup", 0, members=members(model, optimizer),
+                    training_state={"step": 0}, dataloader_state={})
+    ckpt_bytes = dir_bytes(work / "warmup" / "checkpoint-0")
+    shutil.rmtree(work / "warmup")
+    results["checkpoint_bytes"] = ckpt_bytes
+
+    # One repeat measures everything once, so load from other processes spreads evenly.
+    raw = {"write_s": [], "read_cold_s": [], "read_warm_s": []}
+    save = {"save_s": [], "load_cold_s": [], "load_warm_s": []}
+    blocking = {"sync_blocked_s": [], "async_blocked_s": [], "async_total_s": [],
+                "async_wait_at_end_s": [], "steps_during_async_save": [],
+                "step_s_during_async_save": [], "step_s_without_save": []}
+    fresh_model, fresh_optimizer = build_state(size_mb, seed=1)
+    dropped = False
+    for i in range(repeats):
+        file = work / f"raw-{i}.bin"
+        raw["write_s"].append(raw_write(file, ckpt_bytes))
+        dropped = drop_cache(file)
+        raw["read_cold_s"].append(raw_read(file))
+        raw["read_warm_s"].append(raw_read(file))
+        file.unlink()
+
+        # Sync: the whole save (write, fsync, COMPLETE, rename) blocks the training thread.
+        with CheckpointManager(work / f"sync-{i}") as manager:
+            path = manager.save(1, members=members(model, optimizer),
+                                training_state={"step": 1}, dataloader_state={})
+            timing = manager.timings[-1]
+        save["save_s"].append(timing.total_s)
+        blocking["sync_blocked_s"].append(timing.blocked_s)
+        drop_cache(path)
+        for key in ("load_cold_s", "load_warm_s"):
+            start = time.perf_counter()
+            load_checkpoint(path, members(fresh_model, fresh_optimizer))
+            save[key].append(time.perf_counter() - start)
+        # The load really restored what was saved (the model has not stepped since).
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                     fresh_model.state_dict().values()))
+        shutil.rmtree(work / f"sync-{i}")
+
+        # Async: blocked while staging to host memory; steps overlap the background write.
+        baseline = []
+        for _ in range(baseline_steps):
+            start = time.perf_counter()
+            train_step(model, optimizer)
+            baseline.append(time.perf_counter() - start)
+        blocking["step_s_without_save"].append(median(baseline))
+        with CheckpointManager(work / f"async-{i}", async_save=True) as manager:
+            manager.save(1, members=members(model, optimizer), training_state={"step": 1},
+                         dataloader_state={})
+            steps = []
+            future = manager._in_flight  # private: only to stop stepping once the write is done
+            while len(steps) < async_steps and future is not None and not future.done():
+                start = time.perf_counter()
+                train_step(model, optimizer)
+                steps.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            manager.wait()
+            blocking["async_wait_at_end_s"].append(time.perf_counter() - start)
+            timing = manager.timings[-1]
+        blocking["async_blocked_s"].append(timing.blocked_s)
+        blocking["async_total_s"].append(timing.total_s)
+        blocking["steps_during_async_save"].append(len(steps))
+        blocking["step_s_during_async_save"].append(median(steps) if steps else float("nan"))
+        shutil.rmtree(work / f"async-{i}")
+    results["cache_drop"] = "posix_fadvise(DONTNEED)" if dropped else "unavailable"
+
+    results["raw"] = raw
+    results["checkpoint"] = save
+    results["blocking"] = blocking
+    mb = ckpt_bytes / MB
+    results["summary"] = {
+        "checkpoint_mb": mb,
+        "disk_write_mb_s": mb / median(raw["write_s"]),
+        "disk_read_cold_mb_s": mb / median(raw["read_cold_s"]),
+        "disk_read_warm_mb_s": mb / median(raw["read_warm_s"]),
+        "save_mb_s": mb / median(save["save_s"]),
+        "load_cold_mb_s": mb / median(save["load_cold_s"]),
+        "load_warm_mb_s": mb / median(save["load_warm_s"]),
+        "sync_blocked_s": median(blocking["sync_blocked_s"]),
+        "async_blocked_s": median(blocking["async_blocked_s"]),
+        "async_total_s": median(blocking["async_total_s"]),
+        "step_s_without_save": median(blocking["step_s_without_save"]),
+        "step_s_during_async_save": median(blocking["step_s_during_async_save"]),
+        "steps_during_async_save": median(blocking["steps_during_async_save"]),
+    }
+    return results
+
+
+def environment() -> dict:
+    return {
+        "host": socket.gethostname(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_model": _cpu_model(),
+        "loadavg_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def print_table(summary: dict) -> None:
+    s = summary
+    rows = [
+        ("checkpoint size", f"{s['checkpoint_mb']:.0f} MB (weights + AdamW moments)"),
+        ("disk write + fsync", f"{s['disk_write_mb_s']:.0f} MB/s"),
+        ("disk read, cold / warm", f"{s['disk_read_cold_mb_s']:.0f} / {s['disk_read_warm_mb_s']:.0f} MB/s"),
+        ("save (sync, published)", f"{s['save_mb_s']:.0f} MB/s = "
+                                   f"{s['save_mb_s'] / s['disk_write_mb_s']:.0%} of disk write"),
+        ("load, cold / warm", f"{s['load_cold_mb_s']:.0f} / {s['load_warm_mb_s']:.0f} MB/s = "
+                              f"{s['load_cold_mb_s'] / s['disk_read_cold_mb_s']:.0%} of cold read"),
+        ("training blocked, sync save", f"{s['sync_blocked_s']:.2f} s"),
+        ("training blocked, async save", f"{s['async_blocked_s']:.2f} s (write in background: "
+                                         f"{s['async_total_s']:.2f} s in all)"),
+        ("step time, no save / during async write",
+         f"{s['step_s_without_save'] * 1e3:.0f} / {s['step_s_during_async_save'] * 1e3:.0f} ms "
+         f"({s['steps_during_async_save']:.0f} steps overlapped)"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=float, default=300.0,
+                        help="model + optimizer state to save, in MB (default 300)")
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="directory on the disk to measure (default: a temp dir in /tmp)")
+    parser.add_argument("--repeats", type=int, default=3, help="median over this many runs")
+    parser.add_argument("--async-steps", type=int, default=50,
+                        help="at most this many training steps overlap an async save")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    ns = parser.parse_args(argv)
+    base = ns.dir or Path(tempfile.gettempdir())
+    base.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="relay-ckpt-bench-", dir=base))
+    try:
+        env = environment()
+        started = time.time()
+        results = run(ns.size_mb, work, ns.repeats, ns.async_steps)
+        results["environment"] = env
+        results["directory"] = str(base.resolve())
+        results["command"] = " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])])
+        results["wall_s"] = time.time() - started
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"relay checkpoint benchmark: torch {env['torch']}, {env['cpus']} CPUs "
+          f"({env['cpu_model']}), {results['directory']}, median of {ns.repeats}")
+    print_table(results["summary"])
+    if ns.json:
+        ns.json.parent.mkdir(parents=True, exist_ok=True)
+        ns.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
+        print(f"wrote {ns.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
