@@ -224,9 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
     def add_model_args(p: argparse.ArgumentParser, steps: int) -> None:
         p.add_argument("--checkpoint", required=True,
                        help="a checkpoint-N/ directory or an output_dir (its newest checkpoint)")
-        p.add_argument("--steps", type=int, default=steps, help="sampling steps")
-        p.add_argument("--guidance", type=float, default=4.0,
-                       help="classifier-free guidance w: u + w (c - u); 1 = conditional only")
+        p.add_argument("--steps", type=int, default=None,
+                       help="sampling steps (default: the stage's own: 30 Euler steps for FM, "
+                            "flowmap_sampling_steps for Stage1, the rollout steps for Stage2)")
+        p.add_argument("--guidance", type=float, default=None,
+                       help="classifier-free guidance w: u + w (c - u); 1 = conditional only "
+                            "(default: the stage's own, as validation uses)")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--weights", choices=("auto", "ema", "live"), default="auto",
                        help="auto: EMA when the checkpoint has one, else live")

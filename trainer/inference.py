@@ -110,11 +110,19 @@ def _latent_shape(args: ResolvedArgs) -> tuple[int, int, int, int]:
     return tuple(int(s) for s in shape)
 
 
-def generate(loaded: LoadedModel, prompts: list[str], *, steps: int, guidance: float,
-             seed: int, first_frame: torch.Tensor | None = None) -> torch.Tensor:
-    """Latents [B, C, T, H, W] for the prompts, with the sampler of the checkpoint's stage."""
-    from trainer.sampling import sampler_for
+def generate(loaded: LoadedModel, prompts: list[str], *, steps: int | None,
+             guidance: float | None, seed: int,
+             first_frame: torch.Tensor | None = None) -> torch.Tensor:
+    """Latents [B, C, T, H, W] for the prompts, with the sampler of the checkpoint's stage.
 
+    steps / guidance None: the stage's own settings (those its validation uses).
+    """
+    from trainer.sampling import sampler_for
+    from trainer.validation import sampler_settings
+
+    default_steps, default_guidance = sampler_settings(loaded.args)
+    steps = default_steps if steps is None else steps
+    guidance = default_guidance if guidance is None else guidance
     if steps < 1:
         raise InferenceError(f"--steps must be at least 1, got {steps}.")
     device = next(loaded.model.parameters()).device
@@ -178,7 +186,8 @@ def _load_first_frame(path: str, loaded: LoadedModel) -> torch.Tensor:
     return pixels.permute(2, 0, 1)[:c, None][None]  # [1, C, 1, H, W]
 
 
-def sample_to_dir(checkpoint: str, prompt: str, *, out_dir: str, steps: int, guidance: float,
+def sample_to_dir(checkpoint: str, prompt: str, *, out_dir: str, steps: int | None,
+                  guidance: float | None,
                   seed: int, weights: str = "auto", first_frame: str | None = None) -> dict:
     """`relay sample`: one clip for one prompt, written as video, contact sheet and frames."""
     from trainer.evaluate import latents_to_frames
@@ -191,10 +200,15 @@ def sample_to_dir(checkpoint: str, prompt: str, *, out_dir: str, steps: int, gui
     return {k: str(v) for k, v in paths.items()}
 
 
-def evaluate_loaded(loaded: LoadedModel, *, steps: int, guidance: float, seed: int,
-                    captions=None) -> dict:
+def evaluate_loaded(loaded: LoadedModel, *, steps: int | None, guidance: float | None,
+                    seed: int, captions=None) -> dict:
     """Sample the fixed caption set and score colour and direction from the pixels."""
     from trainer.evaluate import EVAL_CAPTIONS, latents_to_frames, score_clips
+    from trainer.validation import sampler_settings
+
+    default_steps, default_guidance = sampler_settings(loaded.args)
+    steps = default_steps if steps is None else steps
+    guidance = default_guidance if guidance is None else guidance
 
     captions = list(captions or EVAL_CAPTIONS)
     latents = generate(loaded, captions, steps=steps, guidance=guidance, seed=seed)
@@ -204,7 +218,7 @@ def evaluate_loaded(loaded: LoadedModel, *, steps: int, guidance: float, seed: i
     return report
 
 
-def evaluate_checkpoint(checkpoint: str, *, steps: int, guidance: float, seed: int,
+def evaluate_checkpoint(checkpoint: str, *, steps: int | None, guidance: float | None, seed: int,
                         weights: str = "auto", out: str | None = None) -> dict:
     """`relay eval`: score a checkpoint and write eval.json (default: in its run directory)."""
     loaded = load_model_for_inference(checkpoint, weights)
