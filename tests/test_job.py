@@ -9,7 +9,7 @@ import time
 import pytest
 
 import launcher.job as job
-from launcher.job import PREEMPTED, StageFailed, StageJob
+from launcher.job import PREEMPTED, StageFailed, StageJob, decide_after_exit
 
 
 class Requeued(Exception):
@@ -81,3 +81,13 @@ def test_signal_before_the_trainer_installs_its_handler_counts_as_preempted(fake
     with pytest.raises(Requeued):
         fake_train(main_interrupted_while_starting)()
     assert signal.getsignal(signal.SIGUSR2) is before  # our startup handler is gone again
+
+
+@pytest.mark.parametrize("code, rank, restarts, expected", [
+    (0, 0, 0, "done"), (0, 3, 5, "done"),
+    (PREEMPTED, 0, 0, "requeue"), (PREEMPTED, 0, 2, "requeue"), (PREEMPTED, 0, 3, "fail"),
+    (PREEMPTED, 1, 0, "leave"), (PREEMPTED, 1, 9, "leave"),
+    (1, 0, 0, "fail"), (2, 1, 0, "fail"), (-9, 0, 0, "fail"),
+])
+def test_job_requeues_only_a_preempted_rank_zero_under_the_cap(code, rank, restarts, expected):
+    assert decide_after_exit(code, rank=rank, restart_count=restarts, max_requeues=3) == expected

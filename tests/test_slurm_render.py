@@ -11,10 +11,8 @@ import os
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
 
-from launcher.job import PREEMPTED, decide_after_exit
 from launcher.pipeline import validate_pipeline
 from launcher.slurm import REPO_ROOT, executor_parameters, render_sbatch
 
@@ -117,13 +115,3 @@ def test_no_secret_from_the_environment_reaches_the_rendered_script(tmp_path, mo
     params = repr(executor_parameters(pipeline.stages[0]))
     for secret in ("relay-test-secret-4711", "relay-test-secret-4712"):
         assert secret not in text and secret not in params
-
-
-@pytest.mark.parametrize("code, rank, restarts, expected", [
-    (0, 0, 0, "done"), (0, 3, 5, "done"),
-    (PREEMPTED, 0, 0, "requeue"), (PREEMPTED, 0, 2, "requeue"), (PREEMPTED, 0, 3, "fail"),
-    (PREEMPTED, 1, 0, "leave"), (PREEMPTED, 1, 9, "leave"),
-    (1, 0, 0, "fail"), (2, 1, 0, "fail"), (-9, 0, 0, "fail"),
-])
-def test_job_requeues_only_a_preempted_rank_zero_under_the_cap(code, rank, restarts, expected):
-    assert decide_after_exit(code, rank=rank, restart_count=restarts, max_requeues=3) == expected
