@@ -68,6 +68,15 @@ def clip_and_check(step: int, model: nn.Module, loss: float, max_grad_norm: floa
     return norm
 
 
+def learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """The LRs to log: `lr` of the AdamW groups and, with Muon, `muon_lr` of the Muon groups."""
+    rates: dict[str, float] = {}
+    for group in optimizer.param_groups:
+        key = "muon_lr" if group.get("use_muon") else "lr"
+        rates.setdefault(key, group["lr"])
+    return rates
+
+
 def autocast_context(device: torch.device, dtype: str):
     """bf16 autocast on GPU (auto or bfloat16), nothing on CPU unless bfloat16 is asked for."""
     if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):

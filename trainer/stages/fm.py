@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from trainer import flow
-from trainer.stages.base import Stage, autocast_context, clip_and_check
+from trainer.stages.base import Stage, autocast_context, clip_and_check, learning_rates
 
 
 def sample_condition_frames(batch_size: int, num_frames: int, *, image_prob: float,
@@ -116,13 +116,13 @@ class FlowMatchingStage(Stage):
                 (loss / accum).backward()
             total += float(loss.detach()) / accum
         grad_norm = clip_and_check(step, self.model, total, args.max_grad_norm)
-        lr = optimizer.param_groups[0]["lr"]  # the LR this step uses (the scheduler moves it on)
+        lrs = learning_rates(optimizer)  # the LRs this step uses (the scheduler moves them on)
         optimizer.step()
         self.schedulers["transformer"].step()
         optimizer.zero_grad(set_to_none=True)
         if "transformer" in self.emas:
             self.emas["transformer"].update(self.model, step)
-        return {"loss": total, "grad_norm": grad_norm, "lr": lr, "samples": samples, **stats}
+        return {"loss": total, "grad_norm": grad_norm, **lrs, "samples": samples, **stats}
 
     def warm_start(self, args) -> dict:
         """Load pretrained transformer weights (a fresh optimizer, schedule and data cursor)."""

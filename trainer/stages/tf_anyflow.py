@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from trainer import flow
-from trainer.stages.base import Stage, autocast_context, clip_and_check
+from trainer.stages.base import Stage, autocast_context, clip_and_check, learning_rates
 from trainer.stages.fm import sample_condition_frames
 
 N = flow.NUM_TRAIN_TIMESTEPS
@@ -473,13 +473,14 @@ class TFAnyFlowStage(Stage):
             total += float(loss.detach()) / accum
             stats.append(micro_stats)
         grad_norm = clip_and_check(step, self.model, total, args.max_grad_norm)
+        lrs = learning_rates(optimizer)  # the LRs this step uses (the scheduler moves them on)
         optimizer.step()
         self.schedulers["transformer"].step()
         optimizer.zero_grad(set_to_none=True)
         if "transformer" in self.emas:
             self.emas["transformer"].update(self.model, step)
-        return {"loss": total, "grad_norm": grad_norm, "lr": optimizer.param_groups[0]["lr"],
-                "samples": samples, **_merge_stats(stats)}
+        return {"loss": total, "grad_norm": grad_norm, **lrs, "samples": samples,
+                **_merge_stats(stats)}
 
     def warm_start(self, args) -> dict:
         """Load the FM (SFT) weights with E_r := E_t (`load_two_time_weights`); the EMA
