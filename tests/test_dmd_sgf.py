@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,7 +18,6 @@ from trainer import flow
 from trainer.args import ConfigError, resolve_args
 from trainer.ema import EMA
 from trainer.model import VideoDiT
-from trainer.sampling import guided
 from trainer.stages import dmd_sgf as D
 from trainer.stages import rollout as R
 
@@ -96,7 +94,8 @@ def test_surrogate_gradient_is_g_over_numel_and_value_half_mean_square():
         plus, minus = x_hat.detach().clone(), x_hat.detach().clone()
         plus[index] += h
         minus[index] -= h
-        fd = (0.5 * (plus - target).square().mean() - 0.5 * (minus - target).square().mean()) / (2 * h)
+        half_mse = [0.5 * (x - target).square().mean() for x in (plus, minus)]
+        fd = (half_mse[0] - half_mse[1]) / (2 * h)
         assert fd.item() == pytest.approx((g[index] / g.numel()).item(), abs=1e-8)
 
 
@@ -359,7 +358,7 @@ def test_sample_student_is_deterministic_and_keeps_the_first_frame():
     assert len(log.calls) == 4 * (T // 2) and len(log.commits) == T // 2  # 4 NFE per chunk
 
 
-# ---- a stage on tiny models (§7.9-9, 10, 11) ------------------------------------------------------
+# ---- a stage on tiny models (§7.9-9, 10, 11) -------------------------------------------------
 
 
 class FakeData:
@@ -449,10 +448,12 @@ def test_roles_change_only_on_their_own_steps_and_the_teacher_never():
     stage = make_stage(generator_update_interval=3, use_ema=True)
 
     def snapshot():
-        return {role: [p.detach().clone() for p in m.parameters()] for role, m in stage.roles.items()}
+        return {role: [p.detach().clone() for p in m.parameters()]
+                for role, m in stage.roles.items()}
 
     def changed(before, role):
-        return any(not torch.equal(a, b) for a, b in zip(before[role], stage.roles[role].parameters()))
+        now = stage.roles[role].parameters()
+        return any(not torch.equal(a, b) for a, b in zip(before[role], now))
 
     student_steps = []
     for step in range(1, 8):
@@ -505,7 +506,7 @@ def test_teacher_config_is_the_student_config_made_bidirectional():
                       "two_time": False}
 
 
-# ---- end to end through train.py -------------------------------------------------------------------
+# ---- end to end through train.py ------------------------------------------------------------
 
 SMALL_MODEL = ("{in_channels: 3, hidden_size: 32, num_attention_heads: 2, num_layers: 2, "
                "patch_size: [1, 4, 4], rope_axes_dim: [4, 4, 8], text_dim: 32, qk_norm: true%s}")

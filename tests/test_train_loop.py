@@ -63,12 +63,14 @@ def test_a_completed_run_writes_the_output_dir_contract(tiny_trainer):
                 (record["step"], key, record.get(key))
         assert record["tokens_per_s"] > 0 and record["step_time_s"] > 0
         assert record["host_mem_gb"] > 0 and record["grad_norm"] > 0
-    # lr is the rate the step trained with (of the first parameter group: Muon's where Muon is
-    # on): with 4 warm-up steps, steps 1..4 train at 1/4 .. 4/4 of the peak.
-    peak = records[3]["lr"]
-    assert peak in (resolved["learning_rate"], resolved["muon_learning_rate"])
-    assert [r["lr"] for r in records[:4]] == pytest.approx([peak * k / 4 for k in (1, 2, 3, 4)],
-                                                           rel=1e-12)
+    # lr (AdamW) and muon_lr (where Muon is on) are the rates the step trained with: with 4
+    # warm-up steps, steps 1..4 train at 1/4 .. 4/4 of the peak.
+    peaks = {"lr": resolved["learning_rate"]}
+    if resolved["use_muon"]:
+        peaks["muon_lr"] = resolved["muon_learning_rate"]
+    for key, peak in peaks.items():
+        assert [r[key] for r in records[:4]] == \
+            pytest.approx([peak * k / 4 for k in (1, 2, 3, 4)], rel=1e-12), key
 
     result = json.loads((out / "run-result.json").read_text())
     assert result == {"status": "completed", "step": 12, "error": None,

@@ -118,7 +118,7 @@ def generate(loaded: LoadedModel, prompts: list[str], *, steps: int | None,
     steps / guidance None: the stage's own settings (those its validation uses).
     """
     from trainer.sampling import sampler_for
-    from trainer.validation import sampler_settings
+    from trainer.validation import sampler_settings, sampling_shift
 
     default_steps, default_guidance = sampler_settings(loaded.args)
     steps = default_steps if steps is None else steps
@@ -133,7 +133,7 @@ def generate(loaded: LoadedModel, prompts: list[str], *, steps: int | None,
     sampler = sampler_for(loaded.args.get("stage", "fm"))
     return sampler(loaded.model, text.to(device), mask.to(device), null_text.to(device),
                    null_mask.to(device), shape=shape, steps=steps, guidance=guidance,
-                   shift=loaded.args.train_timestep_shift, generator=generator,
+                   shift=sampling_shift(loaded.args), generator=generator,
                    first_frame=first_frame)
 
 

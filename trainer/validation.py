@@ -56,6 +56,14 @@ def sampler_settings(args) -> tuple[int, float]:
     return args.validation_steps, args.validation_guidance
 
 
+def sampling_shift(args) -> float:
+    """The shift of the sampler's timestep grid: the training shift, except for a Stage2
+    student trained on an unwarped step list (its steps are then used as given)."""
+    if args.stage == "dmd_sgf" and not args.warp_denoising_step:
+        return 1.0
+    return args.train_timestep_shift
+
+
 def run_validation(stage, args, step: int, output_dir: Path, latent_shape) -> dict:
     """Sample, score and save; returns metrics {"val/<weights>/colour_accuracy": ...}."""
     from trainer.evaluate import latents_to_frames, score_clips
@@ -83,7 +91,7 @@ def run_validation(stage, args, step: int, output_dir: Path, latent_shape) -> di
                 latents = sampler(model, text.to(device), mask.to(device), null_text.to(device),
                                   null_mask.to(device), shape=(len(captions), *latent_shape),
                                   steps=steps, guidance=guidance,
-                                  shift=args.train_timestep_shift,
+                                  shift=sampling_shift(args),
                                   generator=torch.Generator().manual_seed(args.validation_seed))
             clips = [latents_to_frames(x) for x in latents]
             scores = score_clips(clips, captions)

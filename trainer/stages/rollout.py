@@ -211,7 +211,8 @@ def simulate_rollout(student: CachedStudent, noise: torch.Tensor, sigmas: list[f
 
     Every forward runs without gradient, except each chunk's exit forward when grad_at_exit
     (the Self-Forcing reference; training uses False and `replay_exit`). Re-noising draws from
-    `generator` (or the global RNG). The cache must be empty; it holds every chunk afterwards.
+    `generator` (or the global RNG). The cache must be empty (build the CachedStudent under
+    torch.no_grad() for the reference's detached cache); it holds every chunk afterwards.
     Returns a Rollout. Raises ValueError for an exit index outside the step list.
     """
     if not 0 <= exit_index < len(sigmas):

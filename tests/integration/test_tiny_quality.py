@@ -1,0 +1,44 @@
+"""The embedded default learns: tiny pretrain then SFT, on this CPU, produce the captioned clips.
+
+This is the slow test of the suite (several minutes on 2 cores): it trains the shipped tiny
+configs unchanged (only the directories move into tmp) and scores the SFT checkpoint with
+`relay eval`, the same pixel detector users read. Figures and wall times: docs/training.md.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RELAY = str(Path(sys.executable).with_name("relay"))
+
+
+def train(config: str, *extra: str) -> None:
+    proc = subprocess.run([sys.executable, "trainer/train.py", "--config", config,
+                           "--validation_interval", "-1", *extra],
+                          cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_tiny_pretrain_then_sft_draw_the_right_colour_and_direction(tmp_path):
+    pretrain, sft = tmp_path / "pretrain", tmp_path / "sft"
+    train("config/tiny/pretrain.yaml", "--output_dir", str(pretrain),
+          "--data_path", str(tmp_path / "data-pretrain"))
+    train("config/tiny/sft.yaml", "--output_dir", str(sft), "--data_path",
+          str(tmp_path / "data-sft"), "--pretrained_transformer_path", str(pretrain))
+    warm = json.loads((sft / "warm-start.json").read_text())
+    assert warm["source"].startswith(str(pretrain / "checkpoint-"))  # from pretrain's checkpoint
+
+    out = tmp_path / "eval.json"
+    proc = subprocess.run([RELAY, "eval", "--checkpoint", str(sft), "--steps", "30",
+                           "--guidance", "4", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["num_clips"] == 48
+    assert report["colour_accuracy"] >= 0.90, report
+    assert report["direction_accuracy"] >= 0.85, report
