@@ -275,9 +275,19 @@ def test_resume_raises_instead_of_starting_fresh_when_only_checkpoint_is_corrupt
         resume(tmp_path)
 
 
-def test_resume_raises_when_only_an_unfinished_save_exists(tmp_path):
+def test_resume_starts_fresh_when_only_an_interrupted_first_save_exists(tmp_path, caplog):
+    # No checkpoint was ever published, so nothing can be lost: a requeued job that died in
+    # its first save starts over instead of waiting for a person.
     (tmp_path / "checkpoint-5.tmp").mkdir()
-    with pytest.raises(CheckpointError, match="checkpoint-5.tmp"):
+    assert resume(tmp_path)[1] is None
+    assert not (tmp_path / "checkpoint-5.tmp").exists()
+    assert "no checkpoint was ever published" in caplog.text
+
+
+def test_resume_raises_when_unfinished_save_sits_beside_a_corrupt_checkpoint(tmp_path):
+    (tmp_path / "checkpoint-5.tmp").mkdir()
+    (tmp_path / "checkpoint-3.bad").mkdir()
+    with pytest.raises(CheckpointError, match="Refusing to start fresh"):
         resume(tmp_path)
 
 

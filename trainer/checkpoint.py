@@ -860,6 +860,14 @@ def _choose_candidate(output_dir: Path, skip: set[Path], *, report: bool) -> tup
         return str(path), None
     if not scan.has_any and not skip:
         return None, None
+    if scan.unfinished and not (scan.marked or scan.unmarked or scan.quarantined or skip):
+        # Only interrupted first saves: no checkpoint was ever published, so there is no
+        # progress to protect. A requeued job that died in its first save must not need a person.
+        log.warning("%s holds only unfinished saves %s and no checkpoint was ever published: "
+                    "starting fresh (they are removed)", output_dir,
+                    sorted(p.name for p in scan.unfinished))
+        _remove_unfinished_saves(output_dir)
+        return None, None
     scan = scan_output_dir(output_dir)
     found = sorted({p.name for p in scan.quarantined + scan.unmarked + scan.unfinished} | {p.name for p in skip})
     return None, (

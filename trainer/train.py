@@ -172,7 +172,8 @@ def resume_or_warm_start(args: ResolvedArgs, topo: Topology, out: Path, stage) -
     def load(path: Path) -> None:
         loaded["state"], loaded["cursor"] = ckpt.load_checkpoint(
             path, stage_members(stage), dp_rank=topo.dp_rank, dp_world=topo.dp_world,
-            cp_size=args.cp_size, resume_data_state=args.resume_data_state)
+            cp_size=args.cp_size, resume_data_state=args.resume_data_state,
+            config_digest=args.digest())
 
     path = ckpt.find_resume_checkpoint(out, load)
     if path is not None:
