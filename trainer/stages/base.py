@@ -68,6 +68,12 @@ def clip_and_check(step: int, model: nn.Module, loss: float, max_grad_norm: floa
     return norm
 
 
+def batch_to_device(batch: dict, device: torch.device) -> dict:
+    """A data batch with its tensors moved to `device` (captions and ids stay as they are)."""
+    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+            for k, v in batch.items()}
+
+
 def learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:
     """The LRs to log: `lr` of the AdamW groups and, with Muon, `muon_lr` of the Muon groups."""
     rates: dict[str, float] = {}

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from trainer import flow
-from trainer.stages.base import Stage, autocast_context, clip_and_check, learning_rates
+from trainer.stages.base import (Stage, autocast_context, batch_to_device, clip_and_check,
+                                  learning_rates)
 
 
 def sample_condition_frames(batch_size: int, num_frames: int, *, image_prob: float,
@@ -81,7 +82,8 @@ class FlowMatchingStage(Stage):
     name = "fm"
 
     def __init__(self, model: nn.Module, train_model: nn.Module, optimizer, scheduler, ema,
-                 data, args, text_encoder, device: torch.device):
+                 data, args, text_encoder, device: torch.device, dp_rank: int = 0,
+                 dp_world: int = 1):
         self.model = model                    # the bare module (checkpoints, sampling)
         self.train_model = train_model        # what runs forward/backward (DDP-wrapped or bare)
         self.roles = {"transformer": model}
@@ -91,6 +93,7 @@ class FlowMatchingStage(Stage):
         self.data = data
         self.args = args
         self.device = device
+        self.dp_rank, self.dp_world = dp_rank, dp_world
         self.text_encoder = text_encoder
         self.tokens_per_sample = 0
         null_text, null_mask = text_encoder.null_embedding()
@@ -104,7 +107,7 @@ class FlowMatchingStage(Stage):
         total, stats = 0.0, {}
         samples = 0
         for micro in range(accum):
-            batch = _to_device(self.data.next_batch(), self.device)
+            batch = batch_to_device(self.data.next_batch(), self.device)
             samples += batch["latents"].shape[0]
             self.tokens_per_sample = self.num_tokens(batch)
             sync = micro == accum - 1 or not hasattr(self.train_model, "no_sync")
@@ -145,18 +148,12 @@ class FlowMatchingStage(Stage):
         return self.model
 
 
-def _to_device(batch: dict, device: torch.device) -> dict:
-    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
-            for k, v in batch.items()}
 
-
-def build_fm_stage(args, topo) -> FlowMatchingStage:
-    """Model, optimizer, LR schedule, EMA and data for pretrain / SFT."""
+def build_optimization(args, model: nn.Module):
+    """(optimizer, LR scheduler, EMA or None) of a single-role stage, from the training keys."""
     from trainer.ema import EMA
     from trainer.optim import build_lr_scheduler, build_optimizer
-    from trainer.stages import build_data, build_model, build_text_encoder, wrap_for_training
 
-    model = build_model(args, topo.device)
     optimizer = build_optimizer(
         model, use_muon=args.use_muon, learning_rate=args.learning_rate,
         muon_learning_rate=args.muon_learning_rate, weight_decay=args.weight_decay,
@@ -167,6 +164,15 @@ def build_fm_stage(args, topo) -> FlowMatchingStage:
         lr_decay_floor_ratio=args.lr_decay_floor_ratio)
     ema = (EMA(model, args.ema_decay, start=args.ema_start_step,
                update_every=args.ema_update_every) if args.use_ema else None)
-    stage = FlowMatchingStage(model, wrap_for_training(model, topo), optimizer, scheduler, ema,
-                              build_data(args, topo), args, build_text_encoder(args), topo.device)
-    return stage
+    return optimizer, scheduler, ema
+
+
+def build_fm_stage(args, topo) -> FlowMatchingStage:
+    """Model, optimizer, LR schedule, EMA and data for pretrain / SFT."""
+    from trainer.stages import build_data, build_model, build_text_encoder, wrap_for_training
+
+    model = build_model(args, topo.device)
+    optimizer, scheduler, ema = build_optimization(args, model)
+    return FlowMatchingStage(model, wrap_for_training(model, topo), optimizer, scheduler, ema,
+                             build_data(args, topo), args, build_text_encoder(args), topo.device,
+                             dp_rank=topo.dp_rank, dp_world=topo.dp_world)

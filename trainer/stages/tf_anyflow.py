@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from trainer import flow
-from trainer.stages.base import Stage, autocast_context, clip_and_check, learning_rates
-from trainer.stages.fm import sample_condition_frames
+from trainer.stages.base import autocast_context, batch_to_device, clip_and_check, learning_rates
+from trainer.stages.fm import FlowMatchingStage, build_optimization, sample_condition_frames
 
 N = flow.NUM_TRAIN_TIMESTEPS
 
@@ -427,29 +427,10 @@ def _kind_stats(losses: torch.Tensor, kind: torch.Tensor, mean_d) -> dict:
     return stats
 
 
-class TFAnyFlowStage(Stage):
+class TFAnyFlowStage(FlowMatchingStage):
     """Stage1: one causal two-time transformer, its optimizer, LR schedule and EMA."""
 
     name = "tf_anyflow"
-
-    def __init__(self, model: nn.Module, train_model: nn.Module, optimizer, scheduler, ema,
-                 data, args, text_encoder, device: torch.device, dp_rank: int = 0,
-                 dp_world: int = 1):
-        self.model = model                    # the bare module (checkpoints, sampling)
-        self.train_model = train_model        # TeacherForcingForward, DDP-wrapped or bare
-        self.roles = {"transformer": model}
-        self.optimizers = {"transformer": optimizer}
-        self.schedulers = {"transformer": scheduler}
-        self.emas = {"transformer": ema} if ema is not None else {}
-        self.data = data
-        self.args = args
-        self.device = device
-        self.dp_rank, self.dp_world = dp_rank, dp_world
-        self.text_encoder = text_encoder
-        self.tokens_per_sample = 0
-        null_text, null_mask = text_encoder.null_embedding()
-        self.null_text = null_text[0].to(device)  # [L, D]: one null caption
-        self.null_mask = null_mask[0].to(device)
 
     def train_step(self, step: int) -> dict[str, float]:
         """One optimizer step over gradient_accumulation_steps micro-batches; the numbers to log."""
@@ -458,7 +439,7 @@ class TFAnyFlowStage(Stage):
         optimizer = self.optimizers["transformer"]
         total, samples, stats = 0.0, 0, []
         for micro in range(accum):
-            batch = _to_device(self.data.next_batch(), self.device)
+            batch = batch_to_device(self.data.next_batch(), self.device)
             samples += batch["latents"].shape[0]
             self.tokens_per_sample = self.num_tokens(batch)
             rank, world = logical_rank(self.dp_rank, self.dp_world, accum, micro)
@@ -492,14 +473,6 @@ class TFAnyFlowStage(Stage):
         for ema in self.emas.values():
             ema.reset(self.model)
         return report
-
-    def num_tokens(self, batch: dict) -> int:
-        pt, ph, pw = self.model.config["patch_size"]
-        _, _, t, h, w = batch["latents"].shape
-        return (t // pt) * (h // ph) * (w // pw)
-
-    def sampling_model(self, weights: str = "live") -> nn.Module:
-        return self.model
 
 
 def load_two_time_weights(model: nn.Module, path, *, weights: str, allow_missing=(),
@@ -578,30 +551,15 @@ def _sum_across_ranks(values: list[float]) -> list[float]:
     return tensor.cpu().tolist()
 
 
-def _to_device(batch: dict, device: torch.device) -> dict:
-    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
-            for k, v in batch.items()}
-
 
 def build_tf_anyflow_stage(args, topo) -> TFAnyFlowStage:
     """Model, optimizer, LR schedule, EMA and data for Stage1. Raises ConfigError (see
     validate_tf_anyflow_args)."""
-    from trainer.ema import EMA
-    from trainer.optim import build_lr_scheduler, build_optimizer
     from trainer.stages import build_data, build_model, build_text_encoder, wrap_for_training
 
     validate_tf_anyflow_args(args)
     model = build_model(args, topo.device)
-    optimizer = build_optimizer(
-        model, use_muon=args.use_muon, learning_rate=args.learning_rate,
-        muon_learning_rate=args.muon_learning_rate, weight_decay=args.weight_decay,
-        betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
-    scheduler = build_lr_scheduler(
-        optimizer, lr_scheduler_type=args.lr_scheduler_type, warmup_steps=args.warmup_steps,
-        max_steps=args.max_steps, lr_decay_steps=args.lr_decay_steps,
-        lr_decay_floor_ratio=args.lr_decay_floor_ratio)
-    ema = (EMA(model, args.ema_decay, start=args.ema_start_step,
-               update_every=args.ema_update_every) if args.use_ema else None)
+    optimizer, scheduler, ema = build_optimization(args, model)
     return TFAnyFlowStage(model, wrap_for_training(TeacherForcingForward(model), topo), optimizer,
                           scheduler, ema, build_data(args, topo), args, build_text_encoder(args),
                           topo.device, dp_rank=topo.dp_rank, dp_world=topo.dp_world)
