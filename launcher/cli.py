@@ -84,9 +84,16 @@ def _load_pipeline(ns: argparse.Namespace, verb: str, *, check_paths: bool = Tru
 
 def _print_plan(pipeline) -> None:
     print(f"pipeline {pipeline.name} ({pipeline.path}) -> {pipeline.root}")
+    warmup = pipeline.warmup
+    if warmup is not None:
+        r = warmup.resources
+        device = "1 GPU" if r.gpus_per_node else "1 CPU task"
+        print(f"  warmup: 1 node x {device}, time {r.time_min} min: kernel-cache warm-up of "
+              f"{', '.join(warmup.stages)} -> {warmup.directory}")
     for stage in pipeline.stages:
         r = stage.resources
-        after = f", after {', '.join(stage.depends_on)}" if stage.depends_on else ""
+        waits = list(stage.depends_on) or (["warmup"] if warmup is not None else [])
+        after = f", after {', '.join(waits)}" if waits else ""
         gpus = f" x {r.gpus_per_node} GPUs" if r.gpus_per_node else f" x {r.tasks_per_node} CPU ranks"
         print(f"  {stage.name}: {r.nodes} node(s){gpus} = world {r.world_size}, "
               f"{stage.args.max_steps} steps, time {r.time_min} min{after} -> {stage.output_dir}")
@@ -94,24 +101,35 @@ def _print_plan(pipeline) -> None:
         print(f"  note: {note}")
 
 
-def _dependency_placeholder(stage) -> str | None:
-    return f"{stage.depends_on[0]}_JOB_ID" if stage.depends_on else None
+def _dependency_placeholder(pipeline, stage) -> str | None:
+    if stage.depends_on:
+        return f"{stage.depends_on[0]}_JOB_ID"
+    return "warmup_JOB_ID" if pipeline.warmup is not None else None
+
+
+def _print_scripts(pipeline, separator: str = "") -> None:
+    """The sbatch script of the warm-up (when on) and of every stage, as submit would render."""
+    from launcher.slurm import SBATCH_FILE, render_sbatch, render_warmup_sbatch
+
+    if pipeline.warmup is not None:
+        print(f"{separator}# ===== warmup: {pipeline.warmup.directory}/{SBATCH_FILE}")
+        print(render_warmup_sbatch(pipeline.warmup))
+    for stage in pipeline.stages:
+        print(f"{separator}# ===== stage {stage.name}: {stage.output_dir}/{SBATCH_FILE}")
+        print(render_sbatch(stage, dependency=_dependency_placeholder(pipeline, stage)))
 
 
 def cmd_render(ns: argparse.Namespace) -> int:
-    from launcher.slurm import SBATCH_FILE, render_sbatch
-
     pipeline = _load_pipeline(ns, "render", check_paths=ns.check_paths)
     if pipeline is None:
         return 2
-    for stage in pipeline.stages:
-        print(f"# ===== stage {stage.name}: {stage.output_dir}/{SBATCH_FILE}")
-        print(render_sbatch(stage, dependency=_dependency_placeholder(stage)))
+    _print_scripts(pipeline)
     return 0
 
 
 def cmd_submit(ns: argparse.Namespace) -> int:
     from launcher import slurm
+    from launcher.pipeline import WARMUP_NAME
     from launcher.record import build_record, now_iso, read_record_if_any, write_record
     from launcher.status import active_jobs, collect_status
 
@@ -120,9 +138,7 @@ def cmd_submit(ns: argparse.Namespace) -> int:
         return 2
     _print_plan(pipeline)
     if ns.dry_run:
-        for stage in pipeline.stages:
-            print(f"\n# ===== stage {stage.name}: {stage.output_dir}/{slurm.SBATCH_FILE}")
-            print(slurm.render_sbatch(stage, dependency=_dependency_placeholder(stage)))
+        _print_scripts(pipeline, separator="\n")
         print("\nrelay submit: --dry-run, nothing was submitted.")
         return 0
     try:
@@ -132,27 +148,37 @@ def cmd_submit(ns: argparse.Namespace) -> int:
         return 2
     previous = read_record_if_any(pipeline.root)
     if previous is not None:
-        names = {s.name for s in pipeline.stages}
+        names = {s.name for s in pipeline.stages} | {WARMUP_NAME}
         busy = [r for r in active_jobs(collect_status(pipeline.root)) if r.name in names]
         if busy:
             print("relay submit: nothing was submitted: "
-                  + "; ".join(f"stage {r.name} still has job {r.job_id} {r.state}" for r in busy)
+                  + "; ".join(f"{'' if r.name == WARMUP_NAME else 'stage '}{r.name} still has "
+                              f"job {r.job_id} {r.state}" for r in busy)
                   + f". Wait for it, or `relay cancel {pipeline.root}` first.", file=sys.stderr)
             return 2
     launched: dict[str, dict] = {}
+    warmup: dict = {}
 
     def record(submitted) -> None:
-        launched[submitted.name] = {"job_id": submitted.job_id, "sbatch": submitted.sbatch,
-                                    "launched_at": now_iso()}
-        write_record(pipeline.root, build_record(pipeline, launched, mode="slurm", previous=previous))
+        info = {"job_id": submitted.job_id, "sbatch": submitted.sbatch, "launched_at": now_iso()}
+        if submitted.warmup:
+            warmup.update(info)
+        else:
+            launched[submitted.name] = info
+        write_record(pipeline.root, build_record(pipeline, launched, mode="slurm",
+                                                 previous=previous, warmup=warmup or None))
+        after = list(submitted.depends_on)
+        if not after and not submitted.warmup and warmup:
+            after = [WARMUP_NAME]
         print(f"  submitted {submitted.name}: job {submitted.job_id}"
-              + (f" (afterok {', '.join(submitted.depends_on)})" if submitted.depends_on else ""))
+              + (f" (afterok {', '.join(after)})" if after else ""))
 
     try:
         slurm.submit_pipeline(pipeline, on_submit=record)
     except slurm.SlurmError as exc:
         # pipeline.json keeps the jobs that were submitted (now cancelled): status shows them.
-        cancelled = f" Cancelled the jobs submitted before it: {', '.join(launched)}." if launched else ""
+        before = ([WARMUP_NAME] if warmup else []) + list(launched)
+        cancelled = f" Cancelled the jobs submitted before it: {', '.join(before)}." if before else ""
         print(f"relay submit: {exc}.{cancelled}", file=sys.stderr)
         return 1
     print(f"watch it: relay status {pipeline.root}")

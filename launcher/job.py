@@ -14,20 +14,29 @@ After train.py returns:
       SLURM_RESTART_COUNT < max_requeues (the requeued job resumes from output_dir), else the
       job fails; other ranks just return and leave the requeue to rank 0;
   any other code: the job fails (raises), so later stages are cancelled (kill-on-invalid-dep).
+
+The kernel-cache warm-up job (cluster.warmup) runs a `WarmupJob` in its single task instead:
+`python -m trainer.kernels <stage argv>` for each stage about to launch, one child process
+each, stopping at the first that fails. `run_warmups` is that loop; `relay run` uses it too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 PREEMPTED = 75  # trainer.preemption.PREEMPTED_EXIT_CODE (kept importable without torch)
 REQUEUE_GRACE_S = 600  # how long rank 0 waits for Slurm to stop it after `scontrol requeue`
+WARMUP_REPORT_ENV = "RELAY_WARMUP_REPORT"  # trainer.kernels.REPORT_ENV (importable without torch)
+WARMUP_RESULT = "warmup-result.json"  # in <root>/warmup: the outcome of the whole warm-up
 
 
 class StageFailed(RuntimeError):
@@ -179,3 +188,136 @@ def job_state(job_id: str) -> str | None:
         if token.startswith("JobState="):
             return token.split("=", 1)[1]
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel-cache warm-up
+# ---------------------------------------------------------------------------------------------
+
+class WarmupFailed(RuntimeError):
+    """A stage's kernel warm-up failed; the chain must not start. The message says why."""
+
+
+def warmup_command(python: str, argv) -> list[str]:
+    """The warm-up of one stage: trainer.kernels with the stage's exact train.py argv."""
+    return [python, "-u", "-m", "trainer.kernels", *argv]
+
+
+def explain_warmup_exit(code: int) -> str:
+    """What a trainer.kernels exit code means (0 ok, 1 failed, 2 bad config)."""
+    if code == 1:
+        return "exit 1: forward or backward failed, e.g. a kernel that does not build or out of memory"
+    if code == 2:
+        return "exit 2: trainer.kernels rejected the configuration"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
+        hint = (" (the warm-up job's time limit is near: raise cluster.warmup_time)"
+                if name == "SIGUSR2" else "")
+        return f"killed by signal {name}{hint}"
+    return f"exit code {code}"
+
+
+def _read_report(path: str) -> dict[str, Any]:
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def run_warmups(runs: list[dict[str, Any]], *, directory: str, python: str, workdir: str,
+                echo: Callable[[str], None] = print, show_reports: bool = True,
+                prefix: str = "relay") -> dict[str, Any]:
+    """Warm up each run ({"stage", "argv", "report"}) in turn; stop at the first failure.
+
+    Each run is a child process `python -m trainer.kernels <argv>` in `workdir` with
+    RELAY_WARMUP_REPORT=<report>; its stderr (the progress log) goes where ours goes, its stdout
+    (the report as JSON) too unless `show_reports` is False. Old reports are removed first, so
+    every report present belongs to this warm-up. Returns the result, also written to
+    <directory>/warmup-result.json: {"status": "ok" | "failed", "failed": stage or None,
+    "error": message or None, "stages": {stage: {"report", "code", "status", "error",
+    "timings_s", "peak_device_mem_gb"}}}.
+    """
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    for run in runs:
+        Path(run["report"]).unlink(missing_ok=True)
+    result: dict[str, Any] = {"status": "running", "failed": None, "error": None, "stages": {}}
+    _write_json(out / WARMUP_RESULT, result)
+    for index, run in enumerate(runs, 1):
+        stage, report_path = run["stage"], run["report"]
+        cmd = warmup_command(python, run["argv"])
+        echo(f"{prefix}: kernel warm-up {index}/{len(runs)}: stage {stage} -> {report_path}")
+        echo("  " + shlex.join(cmd))
+        started = time.monotonic()
+        code = subprocess.run(cmd, cwd=workdir, env={**os.environ, WARMUP_REPORT_ENV: report_path},
+                              stdout=None if show_reports else subprocess.DEVNULL).returncode
+        report = _read_report(report_path)
+        entry = {"report": report_path, "code": code, "status": report.get("status"),
+                 "error": report.get("error"), "timings_s": report.get("timings_s"),
+                 "peak_device_mem_gb": report.get("peak_device_mem_gb"),
+                 "wall_s": round(time.monotonic() - started, 1)}
+        result["stages"][stage] = entry
+        if code == 0 and report.get("status") == "ok":
+            timings = report.get("timings_s") or {}
+            echo(f"{prefix}: kernel warm-up of stage {stage}: ok (forward "
+                 f"{timings.get('forward', '?')} s, backward {timings.get('backward', '?')} s)")
+            _write_json(out / WARMUP_RESULT, result)
+            continue
+        if code == 0:
+            what = f"no report with status ok in {report_path}"
+        else:
+            what = explain_warmup_exit(code)
+        detail = f": {report['error']}" if report.get("error") else ""
+        result.update(status="failed", failed=stage,
+                      error=f"kernel warm-up of stage {stage} failed ({what}){detail}. "
+                            f"Report: {report_path}")
+        _write_json(out / WARMUP_RESULT, result)
+        return result
+    result["status"] = "ok"
+    _write_json(out / WARMUP_RESULT, result)
+    return result
+
+
+def _warn_time_limit(signum, frame) -> None:
+    print("relay: warm-up: SIGUSR2, the job's time limit (cluster.warmup_time) is near",
+          file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass
+class WarmupJob:
+    """The callable submitit runs in the warm-up job's one task (pickled: no secrets here)."""
+
+    job_name: str
+    workdir: str
+    directory: str
+    runs: list[dict[str, Any]]  # {"stage", "argv", "report"}
+
+    @classmethod
+    def from_spec(cls, warmup, *, workdir: str) -> "WarmupJob":
+        """From a launcher.pipeline.WarmupSpec."""
+        return cls(job_name=warmup.job_name, workdir=str(workdir), directory=warmup.directory,
+                   runs=[{"stage": r.stage, "argv": list(r.argv), "report": r.report}
+                         for r in warmup.runs])
+
+    def __call__(self) -> dict[str, Any]:
+        # Slurm's --signal says the time limit is near; say so instead of dying silently.
+        previous = signal.signal(signal.SIGUSR2, _warn_time_limit)
+        try:
+            result = run_warmups(self.runs, directory=self.directory, python=sys.executable,
+                                 workdir=self.workdir, echo=lambda m: print(m, flush=True))
+        finally:
+            signal.signal(signal.SIGUSR2, previous)
+        if result["status"] != "ok":
+            print(f"relay: {result['error']}", file=sys.stderr, flush=True)
+            raise WarmupFailed(f"{result['error']}. The pipeline's stages will not start.")
+        return result

@@ -5,6 +5,10 @@ argv `relay submit` would give the job, in the directory relay runs in; one afte
 stopping at the first that does not complete. A child process (rather than submitit's local
 executor) keeps train.py's progress on this terminal, Ctrl-C reaching it, and its exit code
 the stage's verdict. pipeline.json is written as for a submission, with job_id null.
+
+With cluster.warmup on, the kernel-cache warm-up runs first, as the Slurm warm-up job would:
+`python -m trainer.kernels <stage argv>` per warmed stage (launcher.job.run_warmups), reports
+in <root>/warmup/; a failed warm-up stops the run before any stage starts.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from launcher.job import run_warmups
 from launcher.pipeline import Pipeline, StageSpec
 from launcher.record import build_record, now_iso, read_record_if_any, write_record
 
@@ -78,14 +83,48 @@ def describe_samples(stage: StageSpec) -> str:
     return f"{stage.name}: samples of step {step} in {path.parent}{score}"
 
 
+def run_local_warmup(pipeline: Pipeline, *, python: str = sys.executable,
+                     echo: Callable[[str], None] = print) -> int:
+    """The kernel-cache warm-up of `relay run`: 0 when every warmed stage is ok, else the
+    failing warm-up's exit code (1 when it has none), after saying why."""
+    spec = pipeline.warmup
+    echo(f"relay run: kernel warm-up of {', '.join(spec.stages)} -> {spec.directory}")
+    runs = [{"stage": r.stage, "argv": list(r.argv), "report": r.report} for r in spec.runs]
+    try:
+        # The report JSON stays in its file; the terminal gets the progress log and a summary.
+        result = run_warmups(runs, directory=spec.directory, python=python,
+                             workdir=pipeline.workdir, echo=echo, show_reports=False,
+                             prefix="relay run")
+    except KeyboardInterrupt:
+        echo("relay run: interrupted during the kernel warm-up.")
+        return 130
+    if result["status"] != "ok":
+        echo(f"relay run: {result['error']}. No stage was run.")
+        code = result["stages"][result["failed"]]["code"]
+        return code if isinstance(code, int) and code > 0 else 1
+    echo("relay run: kernel warm-up done. Reports:")
+    for stage, entry in result["stages"].items():
+        echo(f"  {stage}: {entry['report']}")
+    return 0
+
+
 def run_pipeline_locally(pipeline: Pipeline, *, python: str = sys.executable,
                          echo: Callable[[str], None] = print) -> int:
     """Run the selected stages one after the other; return 0, or the failing stage's exit code."""
     previous = read_record_if_any(pipeline.root)
     launched: dict[str, dict] = {}
+    warmup = None
+    if pipeline.warmup is not None:
+        warmup = {"job_id": None, "sbatch": None, "launched_at": now_iso()}
+        write_record(pipeline.root, build_record(pipeline, launched, mode="local",
+                                                 previous=previous, warmup=warmup))
+        code = run_local_warmup(pipeline, python=python, echo=echo)
+        if code != 0:
+            return code
     for stage in pipeline.stages:
         launched[stage.name] = {"job_id": None, "sbatch": None, "launched_at": now_iso()}
-        write_record(pipeline.root, build_record(pipeline, launched, mode="local", previous=previous))
+        write_record(pipeline.root, build_record(pipeline, launched, mode="local",
+                                                 previous=previous, warmup=warmup))
         cmd = train_command(stage, python)
         echo(f"relay run: stage {stage.name} -> {stage.output_dir}")
         echo("  " + shlex.join(cmd))

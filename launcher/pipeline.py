@@ -5,6 +5,7 @@ A pipeline YAML (OmegaConf, so `${...}` interpolation works) has four top-level 
     name: tiny                    # optional; job names are <name>-<stage> (default: file stem)
     root: runs/tiny               # optional; default pipeline dir (default runs/<name>); --root wins
     cluster: {nodes: 1, ...}      # Slurm defaults for every stage (CLUSTER_DEFAULTS)
+                                  # warmup: true -> a kernel-cache warm-up job runs first
     stages:                       # ordered: each stage runs after the previous one (afterok)
       pretrain:
         config: config/tiny/pretrain.yaml
@@ -63,7 +64,18 @@ CLUSTER_DEFAULTS: dict[str, Any] = {
     "python": None,
     "env": {},
     "sbatch_extra": {},
+    # The kernel-cache warm-up (docs/kernels.md): one 1-node, 1-task job before the first stage
+    # that runs `python -m trainer.kernels` for each stage about to launch. `warmup` is per
+    # stage like any cluster key (a stage's `resources: {warmup: false}` skips its warm-up);
+    # `warmup_time` is the warm-up job's time limit and belongs to the cluster section only.
+    "warmup": False,
+    "warmup_time": 60,
 }
+CLUSTER_ONLY_KEYS = frozenset({"warmup_time"})
+WARMUP_DIR = "warmup"  # <root>/warmup: the warm-up job's script, Slurm logs and reports
+WARMUP_NAME = "warmup"  # its row in `relay status`, its entry in pipeline.json
+# The warm-up job's --signal lead: it saves nothing, the signal only says why it is ending.
+WARMUP_SIGNAL_LEAD_S = 60
 
 # sbatch options relay sets itself; `sbatch_extra` may not set them behind its back.
 MANAGED_SBATCH_OPTIONS = frozenset({
@@ -111,6 +123,8 @@ class Resources:
     python: str
     env: dict[str, str]
     sbatch_extra: dict[str, Any]
+    warmup: bool = False  # warm this stage's kernels in the warm-up job
+    warmup_time_min: int = 60  # the warm-up job's time limit (from the cluster section)
 
     @property
     def world_size(self) -> int:
@@ -134,6 +148,30 @@ class StageSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class WarmupRun:
+    """One `python -m trainer.kernels <argv>` of the warm-up job: a stage's exact train.py argv."""
+
+    stage: str
+    argv: tuple[str, ...]
+    report: str  # RELAY_WARMUP_REPORT: <root>/warmup/<stage>.json
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupSpec:
+    """The kernel-cache warm-up job that runs before the first launched stage."""
+
+    job_name: str
+    directory: str  # <root>/warmup
+    resources: Resources  # one node, one task, one GPU (or one CPU task)
+    runs: tuple[WarmupRun, ...]
+    before: str  # the first launched stage: it waits for the warm-up (afterok)
+
+    @property
+    def stages(self) -> list[str]:
+        return [run.stage for run in self.runs]
+
+
+@dataclasses.dataclass(frozen=True)
 class Pipeline:
     """A validated pipeline: the selected stages in order, plus every stage's output_dir."""
 
@@ -144,6 +182,7 @@ class Pipeline:
     stages: list[StageSpec]
     output_dirs: dict[str, str]  # every stage of the file, in order (selected or not)
     notes: list[str]  # warnings worth printing (a stage that will resume, ...)
+    warmup: WarmupSpec | None = None  # cluster.warmup: the job that runs before the first stage
 
     def stage(self, name: str) -> StageSpec:
         for spec in self.stages:
@@ -290,6 +329,10 @@ def merge_resources(cluster: Mapping[str, Any], overrides: Mapping[str, Any] | N
             if key not in CLUSTER_DEFAULTS:
                 problems.append(_unknown(label, key, list(CLUSTER_DEFAULTS)))
                 continue
+            if key in CLUSTER_ONLY_KEYS and label != "cluster":
+                problems.append(f"{label}: `{key}` applies to the whole pipeline (there is one "
+                                f"warm-up job): set it in the `cluster:` section.")
+                continue
             merged[key] = value
 
     def integer(key: str, minimum: int, nullable: bool = False) -> int | None:
@@ -320,6 +363,17 @@ def merge_resources(cluster: Mapping[str, Any], overrides: Mapping[str, Any] | N
     if time_min is not None and lead is not None and lead >= time_min * 60:
         problems.append(f"{where}: signal_lead_s ({lead} s) must be shorter than the time limit "
                         f"({time_min} min), or the save signal comes before the job starts.")
+    warmup = merged["warmup"]
+    if not isinstance(warmup, bool):
+        problems.append(f"{where}: `warmup` must be true or false, got {warmup!r}.")
+    try:
+        warmup_time = parse_time_minutes(merged["warmup_time"])
+    except ValueError as exc:
+        problems.append(f"{where}: warmup_{exc}.")
+        warmup_time = None
+    if warmup_time is not None and warmup_time * 60 <= WARMUP_SIGNAL_LEAD_S:
+        problems.append(f"{where}: `warmup_time` must be at least 2 minutes, got "
+                        f"{merged['warmup_time']!r}.")
     mem = merged["mem"]
     if mem is not None:
         if isinstance(mem, int) and not isinstance(mem, bool) and mem >= 0:
@@ -381,7 +435,7 @@ def merge_resources(cluster: Mapping[str, Any], overrides: Mapping[str, Any] | N
         gpus_per_node=gpus, tasks_per_node=tasks_per_node, cpus_per_task=cpus, mem=mem,
         time_min=time_min, exclude=texts["exclude"], constraint=texts["constraint"],
         network=network.lower(), max_requeues=max_requeues, signal_lead_s=lead, python=python,
-        env=env, sbatch_extra=extra)
+        env=env, sbatch_extra=extra, warmup=warmup, warmup_time_min=warmup_time)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,7 +518,8 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
     each stage's train.py arguments with its world size (nodes x tasks per node), cluster
     values, duplicated or nested output_dirs, and warm-start paths: a path inside the output_dir
     of an earlier stage of this submission is produced by it; any other must exist now (for
-    `--from sft`, pretrain's output_dir must hold a complete checkpoint).
+    `--from sft`, pretrain's output_dir must hold a complete checkpoint). With cluster.warmup
+    on, also plans the warm-up job (`Pipeline.warmup`, see plan_warmup).
 
     Returns the Pipeline (selected stages only in `stages`). Raises PipelineError listing every
     problem, each prefixed with its stage.
@@ -501,7 +556,8 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
     # The cluster section once; then each stage's resources on top of it (or, when the cluster
     # section is broken, on top of the defaults, so its problems are not repeated per stage).
     cluster_problems: list[str] = []
-    merge_resources(cluster, None, "cluster", cluster_problems, default_python=default_python)
+    cluster_resources = merge_resources(cluster, None, "cluster", cluster_problems,
+                                        default_python=default_python)
     problems.extend(cluster_problems)
     specs: list[StageSpec] = []
     previous: str | None = None
@@ -555,11 +611,64 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
     if check_paths:
         for spec in specs:
             problems.extend(check_weight_sources(spec, specs, output_dirs, notes))
+    root_dir = _absolute(data["root"], base)
+    warmup = None
+    if not problems and cluster_resources is not None:
+        warmup = plan_warmup(data["name"], root_dir, specs, cluster_resources, output_dirs,
+                             problems, notes)
     if problems:
         raise PipelineError(problems)
     return Pipeline(path=str(path.resolve() if path.is_absolute() else (base / path).resolve()),
-                    name=data["name"], root=_absolute(data["root"], base), workdir=str(base),
-                    stages=specs, output_dirs=output_dirs, notes=notes)
+                    name=data["name"], root=root_dir, workdir=str(base),
+                    stages=specs, output_dirs=output_dirs, notes=notes, warmup=warmup)
+
+
+def plan_warmup(name: str, root: str, specs: list[StageSpec], cluster: Resources,
+                output_dirs: dict[str, str], problems: list[str],
+                notes: list[str]) -> WarmupSpec | None:
+    """The warm-up job of this launch, or None (warm-up off, or nothing to warm).
+
+    Warms every launched stage whose resources say `warmup` and whose objective has a warm-up
+    loss (trainer.kernels.STAGE_LOSSES; the others get a note). The job has one node and one
+    task (one GPU when a warmed stage uses GPUs) with the cluster section's partition, account,
+    qos, constraint, env, network and sbatch_extra. Appends to `problems` when <root>/warmup
+    would collide with a stage.
+    """
+    wanted = [s for s in specs if s.resources.warmup]
+    if not wanted:
+        return None
+    from trainer.kernels import STAGE_LOSSES
+
+    directory = str(Path(root) / WARMUP_DIR)
+    before = len(problems)
+    if WARMUP_NAME in output_dirs:
+        problems.append(f"stage {WARMUP_NAME}: the name is taken by the kernel warm-up job "
+                        f"(cluster.warmup is on); rename the stage.")
+    for stage, out in output_dirs.items():
+        if _is_within(out, directory) or _is_within(directory, out):
+            problems.append(f"stage {stage}: output_dir {out} and the warm-up directory "
+                            f"{directory} overlap; move the stage's output_dir.")
+    if len(problems) > before:
+        return None
+    runs = []
+    for spec in wanted:
+        if spec.args.stage not in STAGE_LOSSES:
+            notes.append(f"stage {spec.name}: no kernel warm-up for its objective "
+                         f"`{spec.args.stage}` (only {', '.join(sorted(STAGE_LOSSES))}); its "
+                         f"kernels compile in its first step.")
+            continue
+        runs.append(WarmupRun(stage=spec.name, argv=spec.train_argv,
+                              report=str(Path(directory) / f"{spec.name}.json")))
+    if not runs:
+        notes.append("warm-up: no launched stage has a kernel warm-up, so no warm-up job runs.")
+        return None
+    gpus = 1 if any(s.resources.gpus_per_node for s in wanted
+                    if s.name in {r.stage for r in runs}) else 0
+    resources = dataclasses.replace(
+        cluster, nodes=1, gpus_per_node=gpus, tasks_per_node=1, time_min=cluster.warmup_time_min,
+        signal_lead_s=WARMUP_SIGNAL_LEAD_S)
+    return WarmupSpec(job_name=f"{name}-{WARMUP_NAME}", directory=directory, resources=resources,
+                      runs=tuple(runs), before=specs[0].name)
 
 
 def _absolute_path_overrides(overrides: dict[str, Any], args) -> dict[str, Any]:

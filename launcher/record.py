@@ -7,6 +7,15 @@
 
 Stages appear in pipeline order. A stage this launch did not run (`--from`, `--only`) keeps the
 entry of the launch that ran it, so `relay status` still shows it.
+
+With cluster.warmup on, a top-level "warmup" entry describes this launch's kernel-cache warm-up
+(absent when the launch had none; "stages" is unchanged by it):
+
+    "warmup": {"job_id": ... (null under relay run), "job_name": ..., "sbatch": <path or null>,
+               "directory": <root>/warmup, "launched": "slurm" | "local", "launched_at": ...,
+               "before": <the first stage, which waits for it>, "stages": [...],
+               "reports": {"<stage>": <root>/warmup/<stage>.json},
+               "result": <root>/warmup/warmup-result.json}
 """
 
 from __future__ import annotations
@@ -31,11 +40,13 @@ def now_iso() -> str:
 
 
 def build_record(pipeline: Pipeline, launched: dict[str, dict[str, Any]], *, mode: str,
-                 previous: dict[str, Any] | None = None) -> dict[str, Any]:
+                 previous: dict[str, Any] | None = None,
+                 warmup: dict[str, Any] | None = None) -> dict[str, Any]:
     """The pipeline.json content after launching the stages in `launched`.
 
     launched: stage name -> {"job_id": str | None, "sbatch": str | None}. mode: "slurm" or
-    "local". Pure: the caller writes it.
+    "local". warmup: the warm-up's {"job_id", "sbatch", "launched_at"} once it was launched
+    (pipeline.warmup says what it runs). Pure: the caller writes it.
     """
     old_stages = (previous or {}).get("stages", {}) if isinstance(previous, dict) else {}
     specs = {s.name: s for s in pipeline.stages}
@@ -59,7 +70,7 @@ def build_record(pipeline: Pipeline, launched: dict[str, dict[str, Any]], *, mod
         else:
             stages[name] = {"output_dir": output_dir, "job_id": None, "depends_on": [],
                             "sbatch": None, "launched": None}
-    return {
+    record = {
         "pipeline": pipeline.path,
         "name": pipeline.name,
         "submitted_at": now_iso(),
@@ -68,6 +79,23 @@ def build_record(pipeline: Pipeline, launched: dict[str, dict[str, Any]], *, mod
         "workdir": pipeline.workdir,
         "stages": stages,
     }
+    spec = getattr(pipeline, "warmup", None)
+    if spec is not None and warmup is not None:
+        from launcher.job import WARMUP_RESULT
+
+        record["warmup"] = {
+            "job_id": warmup.get("job_id"),
+            "job_name": spec.job_name,
+            "sbatch": warmup.get("sbatch"),
+            "directory": spec.directory,
+            "launched": mode,
+            "launched_at": warmup.get("launched_at", now_iso()),
+            "before": spec.before,
+            "stages": spec.stages,
+            "reports": {run.stage: run.report for run in spec.runs},
+            "result": str(Path(spec.directory) / WARMUP_RESULT),
+        }
+    return record
 
 
 def write_record(root: str | os.PathLike, record: dict[str, Any]) -> Path:

@@ -8,8 +8,13 @@ reaches every rank directly (torchrun's agent would die on it; docs/cluster.md).
 the rest instead of leaving them pending forever. `--requeue` + `--open-mode=append` let a
 preempted job requeue itself and keep one log.
 
-Pure functions (`executor_parameters`, `render_setup`, `render_sbatch`) are what the golden
-tests lock; `submit_pipeline` and the query helpers call Slurm.
+With `cluster.warmup` on, one more job goes first: the kernel-cache warm-up
+(launcher.job.WarmupJob), one node and one task, that runs `python -m trainer.kernels` for each
+stage about to launch; the first stage waits for it (afterok, kill-on-invalid-dep), so a failed
+warm-up stops the chain before 240 nodes start.
+
+Pure functions (`executor_parameters`, `render_setup`, `render_sbatch` and their warm-up
+counterparts) are what the golden tests lock; `submit_pipeline` and the query helpers call Slurm.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from launcher.pipeline import Pipeline, StageSpec
+from launcher.pipeline import Pipeline, StageSpec, WarmupSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SBATCH_FILE = "relay-job.sbatch"  # the rendered script, kept in each stage's output_dir
@@ -59,7 +64,12 @@ def render_setup(stage: StageSpec, *, repo_root: str | Path = REPO_ROOT) -> list
                "RELAY_STAGE": stage.name, "RELAY_MAX_REQUEUES": str(r.max_requeues), **r.env}
     # The command each rank runs, for whoever reads this file; JSON escapes every newline, so
     # no value can leave the comment.
-    lines = ["# train.py " + json.dumps(list(stage.train_argv), ensure_ascii=True)]
+    return _setup_lines(["# train.py " + json.dumps(list(stage.train_argv), ensure_ascii=True)],
+                        exports, repo_root)
+
+
+def _setup_lines(comments: list[str], exports: dict[str, str], repo_root: str | Path) -> list[str]:
+    lines = list(comments)
     lines += [f"export {name}={shlex.quote(value)}" for name, value in exports.items()]
     env_sh = shlex.quote(str(Path(repo_root) / "slurm" / "env.sh"))
     lines.append(f"source {env_sh} || {{ echo 'relay: slurm/env.sh failed' >&2; exit 1; }}")
@@ -72,21 +82,27 @@ def executor_parameters(stage: StageSpec, *, dependency: str | None = None,
 
     `dependency` is the job id (or a placeholder) of the stage this one waits for.
     """
-    r = stage.resources
+    return _parameters(stage.resources, job_name=stage.job_name, signal=slurm_signal(stage),
+                       setup=render_setup(stage, repo_root=repo_root), dependency=dependency)
+
+
+def _parameters(r, *, job_name: str, signal: str, setup: list[str],
+                dependency: str | None) -> dict[str, Any]:
+    """submitit parameters of one job with Resources `r`, shared by stages and the warm-up."""
     params: dict[str, Any] = {
-        "job_name": stage.job_name,
+        "job_name": job_name,
         "nodes": r.nodes,
         "ntasks_per_node": r.tasks_per_node,
         "time": r.time_min,
         "signal_delay_s": r.signal_lead_s,
-        "setup": render_setup(stage, repo_root=repo_root),
+        "setup": setup,
         "stderr_to_stdout": True,  # one log per rank: <output_dir>/slurm/<jobid>_<rank>_log.out
         "wckey": None,  # submitit's default tags jobs "submitit"; leave the site's default
         # A rank that dies takes the step down instead of leaving the others in a collective.
         "srun_args": ["--kill-on-bad-exit=1"],
         "additional_parameters": {
             "requeue": True,
-            "signal": slurm_signal(stage),
+            "signal": signal,
             **r.sbatch_extra,
         },
     }
@@ -122,6 +138,47 @@ def render_sbatch(stage: StageSpec, *, dependency: str | None = None,
 
 
 # ---------------------------------------------------------------------------------------------
+# The kernel-cache warm-up job
+# ---------------------------------------------------------------------------------------------
+
+def warmup_folder(warmup: WarmupSpec) -> Path:
+    """submitit's folder for the warm-up job: `<root>/warmup/slurm`."""
+    return Path(warmup.directory) / SLURM_DIR
+
+
+def render_warmup_setup(warmup: WarmupSpec, *, repo_root: str | Path = REPO_ROOT) -> list[str]:
+    """The warm-up job's lines before `srun`: the commands it runs (as comments), the cluster's
+    exports, then slurm/env.sh, so the kernel caches are the ones every stage uses.
+
+    No RELAY_OUTPUT_DIR: the warm-up writes into no stage's output_dir.
+    """
+    r = warmup.resources
+    comments = [f"# warm-up {run.stage}: trainer.kernels "
+                + json.dumps(list(run.argv), ensure_ascii=True) for run in warmup.runs]
+    exports = {"RELAY_NETWORK": r.network, "RELAY_STAGE": "warmup", **r.env}
+    return _setup_lines(comments, exports, repo_root)
+
+
+def warmup_executor_parameters(warmup: WarmupSpec, *,
+                               repo_root: str | Path = REPO_ROOT) -> dict[str, Any]:
+    """submitit SlurmExecutor parameters of the warm-up job: the first of the chain, so it
+    depends on nothing. Requeued like a stage when preempted (warming up twice is harmless)."""
+    r = warmup.resources
+    return _parameters(r, job_name=warmup.job_name, signal=f"USR2@{r.signal_lead_s}",
+                       setup=render_warmup_setup(warmup, repo_root=repo_root), dependency=None)
+
+
+def render_warmup_sbatch(warmup: WarmupSpec, *, repo_root: str | Path = REPO_ROOT) -> str:
+    """The sbatch script submitit submits for the warm-up job, as text (no Slurm needed)."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    folder = warmup_folder(warmup)
+    params = warmup_executor_parameters(warmup, repo_root=repo_root)
+    return _make_sbatch_string(command=submitit_command(warmup.resources.python, folder),
+                               folder=folder, **params)
+
+
+# ---------------------------------------------------------------------------------------------
 # Talking to Slurm
 # ---------------------------------------------------------------------------------------------
 
@@ -139,6 +196,7 @@ class SubmittedStage:
     job_id: str
     sbatch: str
     depends_on: tuple[str, ...]
+    warmup: bool = False  # the kernel-cache warm-up job, not a stage
 
 
 def submit_stage(stage: StageSpec, *, dependency: str | None, workdir: str | Path,
@@ -175,17 +233,54 @@ def submit_stage(stage: StageSpec, *, dependency: str | None, workdir: str | Pat
                           depends_on=stage.depends_on)
 
 
+def submit_warmup(warmup: WarmupSpec, *, workdir: str | Path,
+                  repo_root: str | Path = REPO_ROOT) -> SubmittedStage:
+    """Submit the warm-up job; keep its script as <root>/warmup/relay-job.sbatch.
+
+    Raises SlurmError with sbatch's answer when the submission is refused.
+    """
+    import submitit
+
+    from launcher.job import WarmupJob
+
+    folder = warmup_folder(warmup)
+    folder.mkdir(parents=True, exist_ok=True)
+    executor = submitit.SlurmExecutor(folder=folder, python=shlex.quote(warmup.resources.python),
+                                      max_num_timeout=warmup.resources.max_requeues)
+    executor.update_parameters(**warmup_executor_parameters(warmup, repo_root=repo_root))
+    job = WarmupJob.from_spec(warmup, workdir=str(workdir))
+    try:
+        submitted = executor.submit(job)
+    except (subprocess.CalledProcessError, submitit.core.utils.FailedSubmissionError,
+            submitit.core.utils.FailedJobError, OSError) as exc:
+        detail = getattr(exc, "output", None) or getattr(exc, "stderr", None) or exc
+        if isinstance(detail, bytes):
+            detail = detail.decode(errors="replace")
+        raise SlurmError(f"sbatch refused the warm-up job: {' '.join(str(detail).split())}") from None
+    sbatch = Path(warmup.directory) / SBATCH_FILE
+    sbatch.write_text(Path(submitted.paths.submission_file).read_text())
+    return SubmittedStage(name="warmup", job_id=str(submitted.job_id), sbatch=str(sbatch),
+                          depends_on=(), warmup=True)
+
+
 def submit_pipeline(pipeline: Pipeline, *, repo_root: str | Path = REPO_ROOT,
                     on_submit=None) -> list[SubmittedStage]:
     """Submit the pipeline's stages in order, each after the previous one (afterok).
 
+    With a warm-up (pipeline.warmup), it is submitted first and the first stage waits for it.
     All or nothing: when a submission fails, the jobs already submitted are cancelled and
     SlurmError is raised. `on_submit(SubmittedStage)` is called after each submission.
     """
     done: list[SubmittedStage] = []
     try:
+        if pipeline.warmup is not None:
+            submitted = submit_warmup(pipeline.warmup, workdir=pipeline.workdir,
+                                      repo_root=repo_root)
+            done.append(submitted)
+            if on_submit is not None:
+                on_submit(submitted)
         for stage in pipeline.stages:
-            dependency = done[-1].job_id if done and stage.depends_on else None
+            dependency = done[-1].job_id if done and (stage.depends_on or done[-1].warmup) else None
             submitted = submit_stage(stage, dependency=dependency, workdir=pipeline.workdir,
                                      repo_root=repo_root)
             done.append(submitted)

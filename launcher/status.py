@@ -2,7 +2,9 @@
 
 `collect_status(root)` reads `<root>/pipeline.json`, asks Slurm about the recorded jobs and
 reads each output_dir (metrics.jsonl, run-result.json, checkpoints); `render_status_table` turns
-that into the table `relay status` prints. Nothing here changes any state.
+that into the table `relay status` prints. Nothing here changes any state. A pipeline.json with
+a "warmup" entry (cluster.warmup) gets a first row for the kernel-cache warm-up job, whose step
+column counts the stages warmed so far.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from launcher.job import WARMUP_RESULT
+from launcher.pipeline import WARMUP_NAME
 from launcher.record import read_record
 from launcher.slurm import ACTIVE_STATES, SLURM_DIR, JobInfo, query_jobs
 
@@ -114,8 +118,11 @@ def find_log(output_dir: str | os.PathLike, job_id: str | None) -> str | None:
 
 
 def stage_status(name: str, entry: dict[str, Any], job: JobInfo | None,
-                 dependency_states: dict[str, str]) -> StageStatus:
-    """Combine pipeline.json's entry, Slurm's JobInfo and the output_dir into one row."""
+                 dependency_states: dict[str, str], *, waits_for: tuple[str, ...] = ()) -> StageStatus:
+    """Combine pipeline.json's entry, Slurm's JobInfo and the output_dir into one row.
+
+    waits_for: jobs other than its depends_on stages that it waited for (the warm-up).
+    """
     out = entry.get("output_dir", "")
     job_id = entry.get("job_id")
     progress = read_progress(out, entry.get("max_steps"))
@@ -133,15 +140,19 @@ def stage_status(name: str, entry: dict[str, Any], job: JobInfo | None,
                       checkpoint=progress.checkpoint, requeues=job.requeues if job else None,
                       elapsed=job.elapsed if job else None)
     if state in FAILED_STATES or state == "UNKNOWN":
-        row.reason, row.log = explain_failure(state, job, result, entry, dependency_states), find_log(out, job_id)
+        row.reason = explain_failure(state, job, result, entry, dependency_states,
+                                     waits_for=waits_for)
+        row.log = find_log(out, job_id)
     return row
 
 
 def explain_failure(state: str, job: JobInfo | None, result: dict[str, Any],
-                    entry: dict[str, Any], dependency_states: dict[str, str]) -> str:
+                    entry: dict[str, Any], dependency_states: dict[str, str], *,
+                    waits_for: tuple[str, ...] = ()) -> str:
     """One line saying why a stage failed or never ran."""
     reason = job.reason if job else None
-    deps = [d for d in entry.get("depends_on", []) if dependency_states.get(d) != "COMPLETED"]
+    deps = [d for d in (*waits_for, *entry.get("depends_on", []))
+            if dependency_states.get(d) != "COMPLETED"]
     if state == "CANCELLED" and (reason == "DependencyNeverSatisfied" or (deps and result == {})):
         return (f"not run: {', '.join(deps) or 'its dependency'} did not complete "
                 f"(Slurm: {reason or 'cancelled'})")
@@ -160,15 +171,68 @@ def explain_failure(state: str, job: JobInfo | None, result: dict[str, Any],
     return ", ".join(parts)
 
 
+def warmup_status(entry: dict[str, Any], job: JobInfo | None) -> StageStatus:
+    """The warm-up row: Slurm's state (or, under relay run, warmup-result.json's), the stages
+    warmed so far out of those it warms, and for a failure the stage, the error and the log."""
+    job_id = entry.get("job_id")
+    stages = [str(s) for s in entry.get("stages") or []]
+    reports = entry.get("reports") if isinstance(entry.get("reports"), dict) else {}
+    directory = Path(str(entry.get("directory", "")))
+    result = _read_json(Path(str(entry.get("result") or directory / WARMUP_RESULT))) or {}
+    warmed = sum(1 for s in stages if reports.get(s)
+                 and (_read_json(Path(str(reports[s]))) or {}).get("status") == "ok")
+    if job_id:
+        state = job.state if job else "UNKNOWN"
+    else:
+        state = {"ok": "COMPLETED", "failed": "FAILED", "running": "STARTED"}.get(
+            result.get("status"), "NOT RUN")
+    row = StageStatus(name=WARMUP_NAME, job_id=job_id, state=state, step=warmed,
+                      max_steps=len(stages), loss=None, checkpoint=None,
+                      requeues=job.requeues if job else None, elapsed=job.elapsed if job else None)
+    if state not in FAILED_STATES and state != "UNKNOWN":
+        return row
+    if result.get("status") == "failed" and result.get("error"):
+        row.reason = str(result["error"])
+    elif state == "UNKNOWN":
+        row.reason = "Slurm does not know this job (too old for sacct, or another cluster)"
+    else:
+        parts = [f"Slurm {state}"]
+        if job and job.exit_code:
+            parts.append(f"exit {job.exit_code}")
+        if job and job.reason:
+            parts.append(job.reason)
+        row.reason = ", ".join(parts)
+        if state == "TIMEOUT":
+            row.reason += ("; raise cluster.warmup_time (a cold cache can take over 30 minutes "
+                           "a stage at production shapes)")
+    log = directory / SLURM_DIR / f"{job_id}_0_log.out" if job_id else None
+    if log is not None and log.exists():
+        row.log = str(log)
+    elif result.get("failed") and reports.get(result["failed"]):
+        row.log = str(reports[result["failed"]])
+    return row
+
+
 def collect_status(root: str | os.PathLike) -> list[StageStatus]:
-    """Every stage of `<root>/pipeline.json`, in pipeline order. Raises RecordError."""
+    """The warm-up (when recorded), then every stage of `<root>/pipeline.json`, in pipeline
+    order. Raises RecordError."""
     record = read_record(root)
     stages = record["stages"]
-    jobs = query_jobs([e.get("job_id") for e in stages.values() if e.get("job_id")])
+    warmup = record.get("warmup") if isinstance(record.get("warmup"), dict) else None
+    ids = [e.get("job_id") for e in stages.values() if e.get("job_id")]
+    if warmup and warmup.get("job_id"):
+        ids.append(warmup["job_id"])
+    jobs = query_jobs(ids)
     rows: list[StageStatus] = []
     states: dict[str, str] = {}
+    if warmup:
+        row = warmup_status(warmup, jobs.get(str(warmup.get("job_id"))))
+        states[WARMUP_NAME] = row.state
+        rows.append(row)
     for name, entry in stages.items():
-        row = stage_status(name, entry, jobs.get(str(entry.get("job_id"))), states)
+        waits_for = (WARMUP_NAME,) if warmup and warmup.get("before") == name else ()
+        row = stage_status(name, entry, jobs.get(str(entry.get("job_id"))), states,
+                           waits_for=waits_for)
         states[name] = row.state
         rows.append(row)
     return rows

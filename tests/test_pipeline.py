@@ -51,12 +51,16 @@ def problems_of(path: Path, **kwargs) -> list[str]:
 def test_tiny_pipeline_validates_with_weights_wired_between_stages():
     pipeline = validate_pipeline(ROOT / "config/pipeline/tiny.yaml", root="/tmp/relay-unit-root",
                                  cwd=ROOT)
-    pretrain, sft = pipeline.stages
+    pretrain, sft = pipeline.stages[:2]
     assert pretrain.output_dir == "/tmp/relay-unit-root/pretrain"
     assert sft.args.pretrained_transformer_path == "/tmp/relay-unit-root/pretrain"
     assert sft.depends_on == ("pretrain",) and pretrain.depends_on == ()
     assert pretrain.resources.world_size == 1
     assert pipeline.workdir == str(ROOT)
+    # The tiny pipeline warms its two flow-matching stages (Stage1/Stage2 have no warm-up loss).
+    assert pipeline.warmup.stages == ["pretrain", "sft"]
+    assert pipeline.warmup.before == "pretrain"
+    assert any("stage stage1: no kernel warm-up" in n for n in pipeline.notes)
 
 
 def test_root_option_moves_default_output_dirs_and_interpolations(tmp_path):
@@ -312,3 +316,335 @@ def test_stage2_weight_sources_from_two_stages_are_wired_and_each_checked(tmp_pa
     assert sorted(p.split("`")[1] for p in problems) == ["critic_init_path", "student_init_path",
                                                           "teacher_init_path"]
     assert all("--from" in p for p in problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel-cache warm-up job (cluster.warmup)
+# ---------------------------------------------------------------------------------------------
+
+def with_warmup(tmp_path: Path, **cluster) -> dict:
+    data = two_stages(tmp_path)
+    data["cluster"].update(warmup=True, **cluster)
+    return data
+
+
+def test_warmup_is_off_by_default(tmp_path):
+    pipeline = validate_pipeline(write_pipeline(tmp_path, two_stages(tmp_path)), cwd=tmp_path)
+    assert pipeline.warmup is None
+
+
+def test_warmup_runs_each_launched_stage_with_its_exact_train_argv(tmp_path):
+    pipeline = validate_pipeline(write_pipeline(tmp_path, with_warmup(tmp_path)), cwd=tmp_path)
+    warmup = pipeline.warmup
+    root = tmp_path / "runs"
+    assert warmup.job_name == "t-warmup" and warmup.directory == str(root / "warmup")
+    assert [(r.stage, r.argv, r.report) for r in warmup.runs] == [
+        (s.name, s.train_argv, str(root / "warmup" / f"{s.name}.json")) for s in pipeline.stages]
+    r = warmup.resources
+    assert (r.nodes, r.tasks_per_node, r.gpus_per_node, r.time_min, r.network) == (1, 1, 0, 60, "none")
+
+
+def test_warmup_from_sft_warms_sft_onward_and_sft_waits_for_it(tmp_path):
+    path = write_pipeline(tmp_path, with_warmup(tmp_path))
+    pipeline = validate_pipeline(path, cwd=tmp_path, from_stage="sft", check_paths=False)
+    assert pipeline.warmup.stages == ["sft"] and pipeline.warmup.before == "sft"
+
+
+def test_warmup_on_gpu_asks_for_one_gpu_with_the_cluster_settings(tmp_path):
+    data = with_warmup(tmp_path, warmup_time="01:30:00", nodes=4, gpus_per_node=8,
+                       partition="gpu", account="acct", qos="high", constraint="h200",
+                       network="efa", env={"RELAY_CACHE_ROOT": "/fsx/cache"},
+                       sbatch_extra={"reservation": "big"})
+    data["stages"]["pretrain"]["overrides"]["global_batch_size"] = 128
+    data["stages"]["sft"]["overrides"]["global_batch_size"] = 128
+    pipeline = validate_pipeline(write_pipeline(tmp_path, data), cwd=tmp_path, check_paths=False)
+    r = pipeline.warmup.resources
+    assert (r.nodes, r.gpus_per_node, r.tasks_per_node, r.world_size, r.time_min) == (1, 1, 1, 1, 90)
+    assert (r.partition, r.account, r.qos, r.constraint, r.network) == ("gpu", "acct", "high",
+                                                                        "h200", "efa")
+    assert r.env == {"RELAY_CACHE_ROOT": "/fsx/cache"} and r.sbatch_extra == {"reservation": "big"}
+
+
+def test_a_stage_can_opt_out_of_the_warmup(tmp_path):
+    data = with_warmup(tmp_path)
+    data["stages"]["sft"]["resources"] = {"warmup": False}
+    pipeline = validate_pipeline(write_pipeline(tmp_path, data), cwd=tmp_path)
+    assert pipeline.warmup.stages == ["pretrain"]
+    data["stages"]["pretrain"]["resources"] = {"warmup": False}
+    pipeline = validate_pipeline(write_pipeline(tmp_path, data), cwd=tmp_path)
+    assert pipeline.warmup is None
+
+
+@pytest.mark.parametrize("cluster, stage_resources, expected", [
+    ({"warmpu": True}, None, "Did you mean `warmup`?"),
+    ({"warmup": True, "warmup_tim": 30}, None, "Did you mean `warmup_time`?"),
+    ({"warmup": "yes"}, None, "`warmup` must be true or false"),
+    ({"warmup": True, "warmup_time": 1}, None, "`warmup_time` must be at least 2 minutes"),
+    ({"warmup": True, "warmup_time": "soon"}, None, "warmup_time must be minutes"),
+    ({"warmup": True}, {"warmup_time": 30}, "`warmup_time` applies to the whole pipeline"),
+])
+def test_warmup_keys_are_validated(tmp_path, cluster, stage_resources, expected):
+    data = two_stages(tmp_path)
+    data["cluster"].update(cluster)
+    if stage_resources:
+        data["stages"]["sft"]["resources"] = stage_resources
+    problems = problems_of(write_pipeline(tmp_path, data))
+    assert any(expected in p for p in problems), problems
+
+
+def test_warmup_directory_may_not_collide_with_a_stage(tmp_path):
+    data = with_warmup(tmp_path)
+    data["stages"]["sft"]["output_dir"] = "${root}/warmup/sft"
+    assert any("overlap" in p for p in problems_of(write_pipeline(tmp_path, data)))
+    data = with_warmup(tmp_path)
+    data["stages"]["warmup"] = data["stages"].pop("sft")
+    data["stages"]["warmup"]["output_dir"] = "${root}/other"
+    assert any("name is taken by the kernel warm-up" in p
+               for p in problems_of(write_pipeline(tmp_path, data)))
+
+
+def test_a_launch_without_a_warmable_stage_has_no_warmup_job(tmp_path):
+    data = four_stages(tmp_path)
+    data["cluster"]["warmup"] = True
+    pipeline = validate_pipeline(write_pipeline(tmp_path, data), cwd=tmp_path, only="stage2",
+                                 check_paths=False)
+    assert pipeline.warmup is None
+    assert any("no launched stage has a kernel warm-up" in n for n in pipeline.notes)
+
+
+class FakeSubmit:
+    """submit_stage / submit_warmup without Slurm: job ids 100, 101, ... and the dependency each
+    submission asked for."""
+
+    def __init__(self, monkeypatch, refuse: str | None = None):
+        from launcher import slurm
+
+        self.calls: list[tuple[str, str | None]] = []
+        self.cancelled: list[str] = []
+        self.next_id = 100
+
+        def submit_stage(stage, *, dependency, workdir, repo_root=None):
+            if stage.name == refuse:
+                raise slurm.SlurmError(f"sbatch refused stage {stage.name}: no")
+            return self._submitted(stage.name, dependency, stage.depends_on, False)
+
+        def submit_warmup(warmup, *, workdir, repo_root=None):
+            return self._submitted("warmup", None, (), True)
+
+        monkeypatch.setattr(slurm, "submit_stage", submit_stage)
+        monkeypatch.setattr(slurm, "submit_warmup", submit_warmup)
+        monkeypatch.setattr(slurm, "cancel_jobs", self.cancelled.extend)
+
+    def _submitted(self, name, dependency, depends_on, warmup):
+        from launcher.slurm import SubmittedStage
+
+        self.calls.append((name, dependency))
+        self.next_id += 1
+        return SubmittedStage(name=name, job_id=str(self.next_id - 1), sbatch=f"/s/{name}",
+                              depends_on=depends_on, warmup=warmup)
+
+
+def test_first_stage_waits_afterok_for_the_warmup_and_the_rest_for_each_other(tmp_path,
+                                                                              monkeypatch):
+    from launcher.slurm import render_sbatch, submit_pipeline
+
+    fake = FakeSubmit(monkeypatch)
+    pipeline = validate_pipeline(write_pipeline(tmp_path, with_warmup(tmp_path)), cwd=tmp_path)
+    seen = []
+    submit_pipeline(pipeline, on_submit=seen.append)
+    assert fake.calls == [("warmup", None), ("pretrain", "100"), ("sft", "101")]
+    assert [s.warmup for s in seen] == [True, False, False]
+    lines = render_sbatch(pipeline.stages[0], dependency="100").splitlines()
+    assert "#SBATCH --dependency=afterok:100" in lines and "#SBATCH --kill-on-invalid-dep=yes" in lines
+
+    fake = FakeSubmit(monkeypatch)
+    off = validate_pipeline(write_pipeline(tmp_path, two_stages(tmp_path), "off.yaml"), cwd=tmp_path)
+    submit_pipeline(off)
+    assert fake.calls == [("pretrain", None), ("sft", "100")]
+
+
+def test_a_refused_stage_cancels_the_warmup_too(tmp_path, monkeypatch):
+    from launcher.slurm import SlurmError, submit_pipeline
+
+    fake = FakeSubmit(monkeypatch, refuse="sft")
+    pipeline = validate_pipeline(write_pipeline(tmp_path, with_warmup(tmp_path)), cwd=tmp_path)
+    with pytest.raises(SlurmError):
+        submit_pipeline(pipeline)
+    assert fake.cancelled == ["100", "101"]
+
+
+def test_pipeline_json_records_the_warmup_beside_the_stages_contract(tmp_path):
+    from launcher.record import build_record
+
+    pipeline = validate_pipeline(write_pipeline(tmp_path, with_warmup(tmp_path)), cwd=tmp_path)
+    launched = {"pretrain": {"job_id": "11", "sbatch": "/s/p"}, "sft": {"job_id": "12", "sbatch": "/s/s"}}
+    record = build_record(pipeline, launched, mode="slurm",
+                          warmup={"job_id": "10", "sbatch": "/s/w"})
+    root = tmp_path / "runs"
+    assert record["warmup"] == {**record["warmup"], "job_id": "10", "sbatch": "/s/w",
+                                "job_name": "t-warmup", "directory": str(root / "warmup"),
+                                "launched": "slurm", "before": "pretrain",
+                                "stages": ["pretrain", "sft"],
+                                "reports": {"pretrain": str(root / "warmup/pretrain.json"),
+                                            "sft": str(root / "warmup/sft.json")}}
+    # "stages" keeps its contract: stage names only, depends_on names stages only.
+    assert list(record["stages"]) == ["pretrain", "sft"]
+    assert record["stages"]["pretrain"]["depends_on"] == []
+    json.dumps(record)
+    # A launch without a warm-up writes no "warmup" entry.
+    off = validate_pipeline(write_pipeline(tmp_path, two_stages(tmp_path), "off.yaml"), cwd=tmp_path)
+    assert "warmup" not in build_record(off, launched, mode="slurm", previous=record)
+
+
+# -- status ----------------------------------------------------------------------------------
+
+def warmup_record(tmp_path: Path, job_id: str | None, result: dict | None,
+                  reports: dict[str, dict]) -> dict:
+    directory = tmp_path / "warmup"
+    (directory / "slurm").mkdir(parents=True, exist_ok=True)
+    for stage, report in reports.items():
+        (directory / f"{stage}.json").write_text(json.dumps(report))
+    if result is not None:
+        (directory / "warmup-result.json").write_text(json.dumps(result))
+    return {"job_id": job_id, "directory": str(directory), "before": "pretrain",
+            "stages": ["pretrain", "sft"],
+            "reports": {s: str(directory / f"{s}.json") for s in ("pretrain", "sft")},
+            "result": str(directory / "warmup-result.json")}
+
+
+def test_status_shows_a_failed_warmup_first_with_why_and_its_log(tmp_path, monkeypatch):
+    import launcher.status as status
+    from launcher.record import write_record
+    from launcher.slurm import JobInfo
+
+    error = ("kernel warm-up of stage pretrain failed (exit 1: forward or backward failed, e.g. "
+             "a kernel that does not build or out of memory): OutOfMemoryError: CUDA out of memory")
+    warm = warmup_record(tmp_path, "20", {"status": "failed", "failed": "pretrain", "error": error},
+                         {"pretrain": {"status": "failed", "error": "OutOfMemoryError"}})
+    log = tmp_path / "warmup" / "slurm" / "20_0_log.out"
+    log.write_text("...")
+    write_record(tmp_path, {"pipeline": "p.yaml", "stages": {
+        "pretrain": {"output_dir": str(tmp_path / "pretrain"), "job_id": "21", "depends_on": []},
+        "sft": {"output_dir": str(tmp_path / "sft"), "job_id": "22", "depends_on": ["pretrain"]}},
+        "warmup": warm})
+    monkeypatch.setattr(status, "query_jobs", lambda ids: {
+        "20": JobInfo("20", "FAILED", "1:0", "00:00:40"),
+        "21": JobInfo("21", "CANCELLED", "0:0", "00:00:00", "DependencyNeverSatisfied"),
+        "22": JobInfo("22", "CANCELLED", "0:0", "00:00:00", "DependencyNeverSatisfied")})
+    rows = status.collect_status(tmp_path)
+    assert [r.name for r in rows] == ["warmup", "pretrain", "sft"]
+    assert (rows[0].state, rows[0].step, rows[0].max_steps) == ("FAILED", 0, 2)
+    assert rows[0].reason == error and rows[0].log == str(log)
+    assert rows[1].reason.startswith("not run: warmup did not complete")
+    assert rows[2].reason.startswith("not run: pretrain did not complete")
+    table = status.render_status_table(rows)
+    assert table.splitlines()[1].split()[:4] == ["warmup", "20", "FAILED", "0/2"]
+    assert f"warmup: {error}" in table and f"warmup: log {log}" in table
+    assert [r.name for r in status.active_jobs(rows)] == []
+
+
+def test_status_of_a_warmup_in_progress_and_of_a_local_one(tmp_path, monkeypatch):
+    import launcher.status as status
+    from launcher.slurm import JobInfo
+
+    ok = {"status": "ok"}
+    warm = warmup_record(tmp_path, "30", {"status": "running"}, {"pretrain": ok})
+    row = status.warmup_status(warm, JobInfo("30", "RUNNING", elapsed="1:00"))
+    assert (row.state, row.step, row.reason) == ("RUNNING", 1, None)
+    assert status.active_jobs([row]) == [row]  # relay cancel stops it, relay submit waits
+    row = status.warmup_status(warm, JobInfo("30", "TIMEOUT", "0:15", "10:00"))
+    assert "raise cluster.warmup_time" in row.reason
+    local = warmup_record(tmp_path, None, {"status": "ok"}, {"pretrain": ok, "sft": ok})
+    row = status.warmup_status(local, None)
+    assert (row.state, row.step, row.max_steps, row.reason) == ("COMPLETED", 2, 2, None)
+
+
+# -- running the warm-up (the job's loop, and relay run) --------------------------------------
+
+FAKE_PYTHON = """#!/bin/sh
+# Stands in for python: `-u -m trainer.kernels ...` writes a report; `-m trainer.train` succeeds.
+echo "$*" >> "$RELAY_TEST_CALLS"
+case "$*" in
+*trainer.kernels*)
+    case "$RELAY_WARMUP_REPORT" in
+    *"/$RELAY_TEST_FAIL.json")
+        printf '{"status": "failed", "error": "OutOfMemoryError: out of memory"}' > "$RELAY_WARMUP_REPORT"
+        exit 1 ;;
+    esac
+    printf '{"status": "ok", "timings_s": {"forward": 0.5, "backward": 0.25}}' > "$RELAY_WARMUP_REPORT"
+    echo '{"status": "ok"}'
+    exit 0 ;;
+esac
+exit 0
+"""
+
+
+@pytest.fixture
+def fake_python(tmp_path, monkeypatch):
+    path = tmp_path / "fake-python"
+    path.write_text(FAKE_PYTHON)
+    path.chmod(0o755)
+    calls = tmp_path / "calls.txt"
+    monkeypatch.setenv("RELAY_TEST_CALLS", str(calls))
+    monkeypatch.setenv("RELAY_TEST_FAIL", "none")
+
+    def read_calls() -> list[str]:
+        return calls.read_text().splitlines() if calls.exists() else []
+
+    return str(path), read_calls
+
+
+def test_warmup_job_runs_trainer_kernels_per_stage_and_stops_at_the_first_failure(
+        tmp_path, monkeypatch, fake_python):
+    from launcher.job import WarmupFailed, WarmupJob
+
+    python, calls = fake_python
+    pipeline = validate_pipeline(write_pipeline(tmp_path, with_warmup(tmp_path)), cwd=tmp_path)
+    job = WarmupJob.from_spec(pipeline.warmup, workdir=str(tmp_path))
+    monkeypatch.setattr("sys.executable", python)
+    stale = Path(job.runs[1]["report"])
+    stale.parent.mkdir(parents=True)
+    stale.write_text('{"status": "ok"}')  # from an earlier warm-up: must not count
+    monkeypatch.setenv("RELAY_TEST_FAIL", "pretrain")
+    with pytest.raises(WarmupFailed, match="stage pretrain failed .*out of memory"):
+        job()
+    assert len(calls()) == 1 and calls()[0].startswith("-u -m trainer.kernels --config ")
+    assert calls()[0].endswith(" ".join(pipeline.stages[0].train_argv[2:]))
+    assert not stale.exists()
+    result = json.loads((tmp_path / "runs/warmup/warmup-result.json").read_text())
+    assert (result["status"], result["failed"]) == ("failed", "pretrain")
+
+    monkeypatch.setenv("RELAY_TEST_FAIL", "none")
+    result = job()
+    assert result["status"] == "ok" and list(result["stages"]) == ["pretrain", "sft"]
+    assert all(json.loads(Path(r["report"]).read_text())["status"] == "ok" for r in job.runs)
+
+
+def test_relay_run_warms_up_first_and_a_failure_runs_no_stage(tmp_path, monkeypatch, fake_python):
+    from launcher.local import run_pipeline_locally
+    from launcher.record import read_record
+
+    python, calls = fake_python
+    pipeline = validate_pipeline(write_pipeline(tmp_path, with_warmup(tmp_path)), cwd=tmp_path)
+    said: list[str] = []
+    monkeypatch.setenv("RELAY_TEST_FAIL", "sft")
+    assert run_pipeline_locally(pipeline, python=python, echo=said.append) == 1
+    assert [c.split()[2] for c in calls()] == ["trainer.kernels", "trainer.kernels"]
+    assert any("kernel warm-up of stage sft failed" in m and "No stage was run" in m for m in said)
+    record = read_record(pipeline.root)
+    assert record["warmup"]["launched"] == "local" and record["warmup"]["job_id"] is None
+
+    monkeypatch.setenv("RELAY_TEST_FAIL", "none")
+    said.clear()
+    (tmp_path / "calls.txt").unlink()
+    assert run_pipeline_locally(pipeline, python=python, echo=said.append) == 0
+    assert [c.split()[1 if c.startswith("-m") else 2] for c in calls()] == [
+        "trainer.kernels", "trainer.kernels", "trainer.train", "trainer.train"]
+    assert f"  sft: {pipeline.warmup.runs[1].report}" in said
+
+
+def test_the_report_variable_is_the_one_trainer_kernels_reads():
+    from launcher.job import WARMUP_REPORT_ENV
+    from trainer.kernels import REPORT_ENV
+
+    assert WARMUP_REPORT_ENV == REPORT_ENV

@@ -11,10 +11,12 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from launcher.pipeline import validate_pipeline
-from launcher.slurm import REPO_ROOT, executor_parameters, render_sbatch
+from launcher.slurm import (REPO_ROOT, executor_parameters, render_sbatch, render_warmup_sbatch,
+                            warmup_executor_parameters)
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden"
@@ -39,6 +41,16 @@ def test_golden_240_node_efa_stage():
                  render_sbatch(pipeline.stages[0], repo_root=FAKE_REPO))
 
 
+def test_golden_warmup_of_the_240_node_efa_pipeline():
+    # One node, one task, one GPU; the cluster's partition, env, network and sbatch_extra; the
+    # commands it runs listed at the top. Stage1/Stage2 (no warm-up loss) are not in it.
+    pipeline = validate_pipeline(ROOT / "config/pipeline/production-example.yaml", cwd=ROOT,
+                                 check_paths=False, python=FAKE_PYTHON)
+    assert pipeline.warmup.stages == ["pretrain", "sft"]
+    check_golden("warmup-1-node-efa.sbatch",
+                 render_warmup_sbatch(pipeline.warmup, repo_root=FAKE_REPO))
+
+
 def test_golden_one_node_cpu_stage_with_dependency():
     pipeline = validate_pipeline(ROOT / "config/pipeline/tiny.yaml", root="/runs/tiny", only="sft",
                                  cwd=ROOT, check_paths=False, python=FAKE_PYTHON)
@@ -49,7 +61,7 @@ def test_golden_one_node_cpu_stage_with_dependency():
 def test_rendered_scripts_carry_the_preemption_and_chaining_options():
     pipeline = validate_pipeline(ROOT / "config/pipeline/tiny.yaml", root="/runs/tiny", cwd=ROOT,
                                  check_paths=False)
-    first, second = pipeline.stages
+    first, second = pipeline.stages[:2]
     text = render_sbatch(second, dependency="77")
     for line in ("#SBATCH --dependency=afterok:77", "#SBATCH --kill-on-invalid-dep=yes",
                  "#SBATCH --requeue", "#SBATCH --signal=USR2@120", "#SBATCH --open-mode=append",
@@ -69,14 +81,14 @@ def test_preemption_signal_of_the_stage_is_what_slurm_sends(tmp_path):
     assert "#SBATCH --signal=USR1@120" in render_sbatch(stage).splitlines()
 
 
-def malicious_pipeline(tmp_path: Path) -> Path:
+def malicious_pipeline(tmp_path: Path, **cluster) -> Path:
     evil = "x; touch {p}; $(touch {p}) `touch {p}` ' \" \\"
     marker = tmp_path / "pwned"
     path = tmp_path / "evil.yaml"
     path.write_text(yaml.safe_dump({
         "root": str(tmp_path / f"runs with space; $(touch {marker})"),
         "cluster": {"partition": evil.format(p=marker), "env": {"EVIL": evil.format(p=marker)},
-                    "sbatch_extra": {"comment": evil.format(p=marker)}},
+                    "sbatch_extra": {"comment": evil.format(p=marker)}, **cluster},
         "stages": {"pretrain": {
             "config": str(ROOT / "config/tiny/pretrain.yaml"),
             "job_name": evil.format(p=marker),
@@ -84,10 +96,14 @@ def malicious_pipeline(tmp_path: Path) -> Path:
     return path
 
 
-def test_hostile_values_stay_inert_when_the_script_runs(tmp_path):
-    stage = validate_pipeline(malicious_pipeline(tmp_path), cwd=tmp_path,
-                              check_paths=False).stages[0]
-    text = render_sbatch(stage, repo_root=tmp_path / "repo")
+@pytest.mark.parametrize("job", ["stage", "warmup"])
+def test_hostile_values_stay_inert_when_the_script_runs(tmp_path, job):
+    pipeline = validate_pipeline(malicious_pipeline(tmp_path, warmup=True), cwd=tmp_path,
+                                 check_paths=False)
+    if job == "warmup":
+        text = render_warmup_sbatch(pipeline.warmup, repo_root=tmp_path / "repo")
+    else:
+        text = render_sbatch(pipeline.stages[0], repo_root=tmp_path / "repo")
     # Run the whole script with harmless stand-ins for what it calls: every line executes.
     (tmp_path / "repo/slurm").mkdir(parents=True)
     (tmp_path / "repo/slurm/env.sh").write_text('echo "EVIL=[$EVIL]"; return 0\n')
@@ -111,7 +127,8 @@ def test_no_secret_from_the_environment_reaches_the_rendered_script(tmp_path, mo
     monkeypatch.setenv("HF_TOKEN", "relay-test-secret-4712")
     pipeline = validate_pipeline(ROOT / "config/pipeline/production-example.yaml", only="pretrain",
                                  cwd=ROOT, check_paths=False)
-    text = render_sbatch(pipeline.stages[0])
+    text = render_sbatch(pipeline.stages[0]) + render_warmup_sbatch(pipeline.warmup)
     params = repr(executor_parameters(pipeline.stages[0]))
+    params += repr(warmup_executor_parameters(pipeline.warmup))
     for secret in ("relay-test-secret-4711", "relay-test-secret-4712"):
         assert secret not in text and secret not in params

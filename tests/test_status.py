@@ -100,7 +100,8 @@ def test_pipeline_record_follows_the_contract_and_keeps_earlier_stages(tmp_path)
     back = read_record(tmp_path)
     assert back["pipeline"] == str(ROOT / "config/pipeline/tiny.yaml")
     assert "submitted_at" in back
-    assert list(back["stages"]) == ["pretrain", "sft"]
+    assert list(back["stages"]) == ["pretrain", "sft", "stage1", "stage2"]  # pipeline order
+    assert back["stages"]["stage1"]["job_id"] is None  # not launched in this submission
     assert back["stages"]["sft"] == {**back["stages"]["sft"], "output_dir": str(tmp_path / "sft"),
                                      "job_id": "11", "depends_on": ["pretrain"],
                                      "sbatch": "/s/s.sbatch"}

@@ -311,3 +311,36 @@ def test_time_limit_signal_saves_and_requeues_until_max_requeues(slurm_cluster, 
     assert status.splitlines()[1].split()[2] == "FAILED"
     assert status.splitlines()[1].split()[6] == "1"
     assert "pretrain: Slurm FAILED after a preemption save" in status
+
+
+def test_warmup_job_runs_first_and_the_chain_waits_for_it(slurm_cluster, tmp_path):
+    name = unique("relay-it-warmup-")
+    pretrain = stage("pretrain", tmp_path, max_steps=2)
+    sft = stage("sft", tmp_path, max_steps=2,
+                pretrained_transformer_path="${stages.pretrain.output_dir}")
+    path = write_pipeline(tmp_path, name, {"pretrain": pretrain, "sft": sft}, warmup=True,
+                          warmup_time=5)
+    proc = relay("submit", str(path), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    root = tmp_path / "runs"
+    record = json.loads((root / "pipeline.json").read_text())
+    warm = record["warmup"]
+    ids = [warm["job_id"]] + [record["stages"][s]["job_id"] for s in ("pretrain", "sft")]
+    assert list(record["stages"]) == ["pretrain", "sft"]
+    assert wait_final(ids) == {i: "COMPLETED" for i in ids}
+
+    # pretrain waited for the warm-up: afterok in its script, and it started after the end.
+    script = Path(record["stages"]["pretrain"]["sbatch"]).read_text().splitlines()
+    assert f"#SBATCH --dependency=afterok:{ids[0]}" in script
+    times = sacct(ids[:2], "Start", "End")
+    assert times[ids[0]][1] <= times[ids[1]][0]
+    # One report per stage, at the stage's own shapes; no stage output_dir touched by it.
+    for name_ in ("pretrain", "sft"):
+        report = json.loads((root / "warmup" / f"{name_}.json").read_text())
+        assert report["status"] == "ok" and report["shapes"]["batch"] == 4, report
+    log = (root / "warmup" / "slurm" / f"{ids[0]}_0_log.out").read_text()
+    assert "kernel warm-up of stage sft: ok" in log
+
+    status = relay("status", str(root)).stdout.splitlines()
+    assert status[1].split()[:4] == ["warmup", ids[0], "COMPLETED", "2/2"]
+    assert status[2].split()[2] == "COMPLETED" and status[3].split()[2] == "COMPLETED"
