@@ -351,8 +351,6 @@ def _rescale_on_rank(rank, world, store):
         dist.destroy_process_group()
 
 
-@pytest.mark.skipif(not os.environ.get("RELAY_MULTIPROCESS_TESTS"),
-                    reason="spawns 2 gloo ranks; set RELAY_MULTIPROCESS_TESTS=1")
 def test_rescale_reference_reaches_a_rank_without_diffusion_samples(tmp_path):
     import torch.multiprocessing as mp
 

@@ -283,8 +283,6 @@ def test_sbatch_script_applies_overrides_and_requeues_after_usr2_to_the_batch_sh
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("RELAY_SLOW_TESTS") != "1",
-                    reason="about 3 minutes of real time limits; set RELAY_SLOW_TESTS=1")
 def test_time_limit_signal_saves_and_requeues_until_max_requeues(slurm_cluster, tmp_path):
     # The production path, nothing simulated: a 2-minute limit with signal_lead_s 60 makes
     # Slurm send USR2 30-60 s into each run (its timer ticks every ~30 s). The first run is
