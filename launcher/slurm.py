@@ -199,26 +199,18 @@ class SubmittedStage:
     warmup: bool = False  # the kernel-cache warm-up job, not a stage
 
 
-def submit_stage(stage: StageSpec, *, dependency: str | None, workdir: str | Path,
-                 repo_root: str | Path = REPO_ROOT) -> SubmittedStage:
-    """Submit one stage through submitit; keep its rendered script as <output_dir>/relay-job.sbatch.
+def _submit_job(job, *, folder: Path, python: str, max_requeues: int, parameters: dict,
+                what: str, keep_as: Path) -> str:
+    """Submit one callable through submitit; copy its rendered script to `keep_as`.
 
-    Raises SlurmError with sbatch's answer when the submission is refused.
+    Returns the job id. Raises SlurmError with sbatch's answer when the submission is refused.
     """
     import submitit
 
-    from launcher.job import StageJob
-
-    folder = slurm_folder(stage)
     folder.mkdir(parents=True, exist_ok=True)
-    executor = submitit.SlurmExecutor(folder=folder, python=shlex.quote(stage.resources.python),
-                                      max_num_timeout=stage.resources.max_requeues)
-    executor.update_parameters(**executor_parameters(stage, dependency=dependency,
-                                                     repo_root=repo_root))
-    job = StageJob(stage=stage.name, train_argv=list(stage.train_argv),
-                   workdir=str(workdir), output_dir=stage.output_dir,
-                   max_requeues=stage.resources.max_requeues,
-                   preemption_signal=str(stage.args.get("preemption_signal", "SIGUSR2")))
+    executor = submitit.SlurmExecutor(folder=folder, python=shlex.quote(python),
+                                      max_num_timeout=max_requeues)
+    executor.update_parameters(**parameters)
     try:
         submitted = executor.submit(job)
     except (subprocess.CalledProcessError, submitit.core.utils.FailedSubmissionError,
@@ -226,10 +218,30 @@ def submit_stage(stage: StageSpec, *, dependency: str | None, workdir: str | Pat
         detail = getattr(exc, "output", None) or getattr(exc, "stderr", None) or exc
         if isinstance(detail, bytes):
             detail = detail.decode(errors="replace")
-        raise SlurmError(f"sbatch refused stage {stage.name}: {' '.join(str(detail).split())}") from None
+        raise SlurmError(f"sbatch refused {what}: {' '.join(str(detail).split())}") from None
+    keep_as.write_text(Path(submitted.paths.submission_file).read_text())
+    return str(submitted.job_id)
+
+
+def submit_stage(stage: StageSpec, *, dependency: str | None, workdir: str | Path,
+                 repo_root: str | Path = REPO_ROOT) -> SubmittedStage:
+    """Submit one stage through submitit; keep its rendered script as <output_dir>/relay-job.sbatch.
+
+    Raises SlurmError with sbatch's answer when the submission is refused.
+    """
+    from launcher.job import StageJob
+
+    job = StageJob(stage=stage.name, train_argv=list(stage.train_argv),
+                   workdir=str(workdir), output_dir=stage.output_dir,
+                   max_requeues=stage.resources.max_requeues,
+                   preemption_signal=str(stage.args.get("preemption_signal", "SIGUSR2")))
     sbatch = Path(stage.output_dir) / SBATCH_FILE
-    sbatch.write_text(Path(submitted.paths.submission_file).read_text())
-    return SubmittedStage(name=stage.name, job_id=str(submitted.job_id), sbatch=str(sbatch),
+    job_id = _submit_job(job, folder=slurm_folder(stage), python=stage.resources.python,
+                         max_requeues=stage.resources.max_requeues,
+                         parameters=executor_parameters(stage, dependency=dependency,
+                                                        repo_root=repo_root),
+                         what=f"stage {stage.name}", keep_as=sbatch)
+    return SubmittedStage(name=stage.name, job_id=job_id, sbatch=str(sbatch),
                           depends_on=stage.depends_on)
 
 
@@ -239,28 +251,16 @@ def submit_warmup(warmup: WarmupSpec, *, workdir: str | Path,
 
     Raises SlurmError with sbatch's answer when the submission is refused.
     """
-    import submitit
-
     from launcher.job import WarmupJob
 
-    folder = warmup_folder(warmup)
-    folder.mkdir(parents=True, exist_ok=True)
-    executor = submitit.SlurmExecutor(folder=folder, python=shlex.quote(warmup.resources.python),
-                                      max_num_timeout=warmup.resources.max_requeues)
-    executor.update_parameters(**warmup_executor_parameters(warmup, repo_root=repo_root))
-    job = WarmupJob.from_spec(warmup, workdir=str(workdir))
-    try:
-        submitted = executor.submit(job)
-    except (subprocess.CalledProcessError, submitit.core.utils.FailedSubmissionError,
-            submitit.core.utils.FailedJobError, OSError) as exc:
-        detail = getattr(exc, "output", None) or getattr(exc, "stderr", None) or exc
-        if isinstance(detail, bytes):
-            detail = detail.decode(errors="replace")
-        raise SlurmError(f"sbatch refused the warm-up job: {' '.join(str(detail).split())}") from None
     sbatch = Path(warmup.directory) / SBATCH_FILE
-    sbatch.write_text(Path(submitted.paths.submission_file).read_text())
-    return SubmittedStage(name="warmup", job_id=str(submitted.job_id), sbatch=str(sbatch),
-                          depends_on=(), warmup=True)
+    job_id = _submit_job(WarmupJob.from_spec(warmup, workdir=str(workdir)),
+                         folder=warmup_folder(warmup), python=warmup.resources.python,
+                         max_requeues=warmup.resources.max_requeues,
+                         parameters=warmup_executor_parameters(warmup, repo_root=repo_root),
+                         what="the warm-up job", keep_as=sbatch)
+    return SubmittedStage(name="warmup", job_id=job_id, sbatch=str(sbatch), depends_on=(),
+                          warmup=True)
 
 
 def submit_pipeline(pipeline: Pipeline, *, repo_root: str | Path = REPO_ROOT,

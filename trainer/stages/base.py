@@ -11,6 +11,7 @@ mapping by role.
 
 from __future__ import annotations
 
+import abc
 import math
 
 import torch
@@ -21,19 +22,20 @@ class NonFiniteError(RuntimeError):
     """A loss or gradient norm that is not finite; raised before the optimizer step."""
 
 
-class Stage:
+class Stage(abc.ABC):
     name = "base"
     roles: dict[str, nn.Module]
     optimizers: dict[str, torch.optim.Optimizer]
     schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler]
     emas: dict
 
+    @abc.abstractmethod
     def train_step(self, step: int) -> dict[str, float]:
-        raise NotImplementedError
+        """One optimizer step (every micro-batch); the numbers to log."""
 
+    @abc.abstractmethod
     def sampling_model(self, weights: str = "live") -> nn.Module:
         """The module to sample from (the EMA is swapped in by the caller)."""
-        raise NotImplementedError
 
     # --- checkpoint members ---------------------------------------------------------------
     def model_members(self) -> dict[str, nn.Module]:
