@@ -373,7 +373,10 @@ def test_warm_started_run_starts_fresh_from_the_source_and_resumes_itself_after_
     source = tiny_trainer.reference()
     out, log = tmp_path / "sft", tmp_path / "sft.log"
     extra = ("--load_transformer_weights", "true", "--pretrained_transformer_path", str(source),
-             "--data_path", str(tmp_path / "data-sft"))
+             "--data_path", str(tmp_path / "data-sft"),
+             # Keep every checkpoint: on a fast machine the preemption can land after step 6,
+             # and the tiny SFT config's save_total_limit 2 would prune checkpoint-2.
+             "--save_total_limit", "0")
     proc = tiny_trainer.start(out, *extra, config="sft", log=log)
     assert _wait_until(lambda: max(_logged_steps(out), default=0) >= 3, proc, log), _tail(log)
     proc.send_signal(signal.SIGUSR2)
