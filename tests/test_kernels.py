@@ -69,6 +69,30 @@ def test_warm_up_runs_one_forward_backward_at_the_stage_shapes_and_writes_nothin
     assert messages[-1].startswith("kernel warm-up: done")
 
 
+def test_stage1_warm_up_runs_the_teacher_forcing_loss_of_the_two_time_model(tmp_path,
+                                                                             monkeypatch):
+    from trainer.model import VideoDiT
+
+    calls = []
+    real = VideoDiT.forward_teacher_forcing
+
+    def recording(self, noisy, clean, *args, **kwargs):
+        calls.append((tuple(noisy.shape), tuple(clean.shape), kwargs.get("r") is not None))
+        return real(self, noisy, clean, *args, **kwargs)
+
+    monkeypatch.setattr(VideoDiT, "forward_teacher_forcing", recording)
+    stage1 = str(REPO / "config" / "tiny" / "stage1.yaml")
+    args = resolve_config(stage1, _argv(tmp_path, "--pretrained_transformer_path",
+                                        str(tmp_path / "sft")), check_paths=False)
+    report = kernels.warm_up_kernels(args, "cpu")
+
+    assert report["status"] == "ok" and report["stage"] == "tf_anyflow"
+    assert math.isfinite(report["loss"])
+    # Teacher forcing on the batch's clips, with the second time r: the shapes Stage1 trains at.
+    assert calls and all(c == ((2, 3, 4, 8, 8), (2, 3, 4, 8, 8), True) for c in calls), calls
+    assert not (tmp_path / "out").exists()
+
+
 def test_latent_shape_comes_from_the_first_parquet_row(tmp_path):
     data = tmp_path / "parquet"
     ensure_dataset(data, 4, seed=0, num_frames=2, height=8, width=8)

@@ -57,10 +57,10 @@ def test_tiny_pipeline_validates_with_weights_wired_between_stages():
     assert sft.depends_on == ("pretrain",) and pretrain.depends_on == ()
     assert pretrain.resources.world_size == 1
     assert pipeline.workdir == str(ROOT)
-    # The tiny pipeline warms its two flow-matching stages (Stage1/Stage2 have no warm-up loss).
-    assert pipeline.warmup.stages == ["pretrain", "sft"]
+    # The tiny pipeline warms every stage that has a warm-up loss (Stage2 has none).
+    assert pipeline.warmup.stages == ["pretrain", "sft", "stage1"]
     assert pipeline.warmup.before == "pretrain"
-    assert any("stage stage1: no kernel warm-up" in n for n in pipeline.notes)
+    assert any("stage stage2: no kernel warm-up" in n for n in pipeline.notes)
 
 
 def test_root_option_moves_default_output_dirs_and_interpolations(tmp_path):

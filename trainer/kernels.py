@@ -103,24 +103,40 @@ def warmup_shapes(args: ResolvedArgs) -> dict[str, Any]:
             "video_tokens": (t // pt) * (h // ph) * (w // pw)}
 
 
-def _fm_loss(model, batch: dict, args: ResolvedArgs, shapes: dict) -> torch.Tensor:
+def _null_caption(args: ResolvedArgs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The null caption [L, D] and its mask [L], as the stages keep it for caption dropout."""
     from trainer.stages import build_text_encoder
-    from trainer.stages.fm import fm_loss
 
     null_text, null_mask = build_text_encoder(args).null_embedding()
-    # One null caption [L, D] / [L], as FlowMatchingStage keeps it: null_embedding has a batch
-    # dim of 1, which drop_captions would broadcast to [1, B, L, D].
-    null_text = null_text.reshape(null_text.shape[-2:])
-    null_mask = null_mask.reshape(null_mask.shape[-1:])
-    device = batch["latents"].device
-    loss, _ = fm_loss(model, batch, args, null_text.to(device), null_mask.to(device),
-                      shapes["video_tokens"])
+    # null_embedding has a batch dim of 1, which drop_captions would broadcast to [1, B, L, D].
+    return (null_text.reshape(null_text.shape[-2:]).to(device),
+            null_mask.reshape(null_mask.shape[-1:]).to(device))
+
+
+def _fm_loss(model, batch: dict, args: ResolvedArgs, shapes: dict) -> torch.Tensor:
+    from trainer.stages.fm import fm_loss
+
+    null_text, null_mask = _null_caption(args, batch["latents"].device)
+    loss, _ = fm_loss(model, batch, args, null_text, null_mask, shapes["video_tokens"])
+    return loss
+
+
+def _tf_anyflow_loss(model, batch: dict, args: ResolvedArgs, shapes: dict) -> torch.Tensor:
+    from trainer.stages.tf_anyflow import TeacherForcingForward, anyflow_batch_loss
+
+    # Teacher forcing runs [clean | noisy] sequences under the block-causal mask: twice the
+    # video tokens of FM, so its kernels (and their autotuned configs) are its own.
+    null_text, null_mask = _null_caption(args, batch["latents"].device)
+    loss, _ = anyflow_batch_loss(TeacherForcingForward(model), batch, args, null_text, null_mask,
+                                 rank=0, world=1, num_tokens=shapes["video_tokens"])
     return loss
 
 
 # stage -> the loss of one micro-batch, through the same code the stage trains with. A new
-# stage adds its loss here (e.g. teacher forcing runs forward_teacher_forcing: other shapes).
-STAGE_LOSSES: dict[str, Callable[..., torch.Tensor]] = {"fm": _fm_loss}
+# stage adds its loss here. dmd_sgf has none yet: its step is a rollout of the student plus the
+# teacher and critic, three models that only the stage itself builds.
+STAGE_LOSSES: dict[str, Callable[..., torch.Tensor]] = {"fm": _fm_loss,
+                                                        "tf_anyflow": _tf_anyflow_loss}
 
 
 def _random_batch(shapes: dict, device: torch.device) -> dict:
