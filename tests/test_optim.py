@@ -294,13 +294,39 @@ def test_state_dict_round_trip_continues_identically():
     clone_opt = optim.build_optimizer(clone, **kwargs)
     clone_sched = optim.build_lr_scheduler(clone_opt, **sched_kwargs)
     clone_opt.load_state_dict(saved[1])
-    clone_sched.load_state_dict(saved[2])
+    assert optim.resume_lr_scheduler(clone_sched, saved[2]) == []
 
     _train_steps(model, opt, sched, 3, seed=2)
     _train_steps(clone, clone_opt, clone_sched, 3, seed=2)
     for (name, a), b in zip(model.named_parameters(), clone.parameters()):
         assert torch.equal(a, b), name
     assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in clone_opt.param_groups]
+
+
+def test_a_restart_with_a_new_learning_rate_goes_on_with_it_at_the_saved_step():
+    model = _TinyDiT()
+    sched_kwargs = dict(lr_scheduler_type="cosine", warmup_steps=2, max_steps=10)
+    opt = optim.build_optimizer(model, use_muon=True, learning_rate=1e-3, muon_learning_rate=0.02)
+    sched = optim.build_lr_scheduler(opt, **sched_kwargs)
+    _train_steps(model, opt, sched, 5, seed=1)
+    saved = copy.deepcopy((opt.state_dict(), sched.state_dict()))
+
+    # The user lowers AdamW's LR and restarts; Muon's stays.
+    clone_opt = optim.build_optimizer(copy.deepcopy(model), use_muon=True, learning_rate=5e-4,
+                                      muon_learning_rate=0.02)
+    clone_sched = optim.build_lr_scheduler(clone_opt, **sched_kwargs)
+    clone_opt.load_state_dict(saved[0])
+    changed = optim.resume_lr_scheduler(clone_sched, saved[1])
+
+    assert changed == [(1e-3, 5e-4)]
+    factor = optim.lr_multiplier(5, **sched_kwargs)
+    by_kind = {g["use_muon"]: g["lr"] for g in clone_opt.param_groups}
+    assert by_kind == {False: pytest.approx(5e-4 * factor), True: pytest.approx(0.02 * factor)}
+    assert clone_sched.last_epoch == 5
+    clone_opt.step()
+    clone_sched.step()  # and the schedule goes on from the new peak
+    by_kind = {g["use_muon"]: g["lr"] for g in clone_opt.param_groups}
+    assert by_kind[False] == pytest.approx(5e-4 * optim.lr_multiplier(6, **sched_kwargs))
 
 
 def test_dcp_optimizer_state_dict_round_trip():

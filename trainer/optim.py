@@ -356,8 +356,9 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, *, lr_scheduler_type: s
                        lr_decay_floor_ratio: float = 0.0) -> torch.optim.lr_scheduler.LambdaLR:
     """Return a LambdaLR that scales every group's initial lr by `lr_multiplier(step, ...)`.
 
-    Call scheduler.step() after each optimizer step. Its state_dict holds the step count only;
-    the schedule's shape comes from these arguments, so a resumed run uses its current config.
+    Call scheduler.step() after each optimizer step. Resume through `resume_lr_scheduler`: the
+    step count comes from the checkpoint, the schedule (its shape from these arguments, its peak
+    LRs from the optimizer's groups as built) from the current config.
     Raises ValueError as `lr_multiplier` does (checked here, before training starts).
     """
     _resolve_decay_steps(lr_scheduler_type, warmup_steps, max_steps, lr_decay_steps,
@@ -367,3 +368,27 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, *, lr_scheduler_type: s
                            lr_decay_steps=lr_decay_steps,
                            lr_decay_floor_ratio=lr_decay_floor_ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+
+
+def resume_lr_scheduler(scheduler: torch.optim.lr_scheduler.LambdaLR,
+                        state: dict) -> list[tuple[float, float]]:
+    """Load a saved step count into `scheduler`, keeping this run's peak LRs.
+
+    A LambdaLR's state_dict also holds the peak LRs (`base_lrs`) it was built with, and the
+    optimizer's saved param groups their last LRs: loaded as they are, a `--learning_rate` given
+    on a restart would be silently ignored. Call after the optimizer's state is loaded; every
+    group's LR is set to this run's peak times the schedule at the saved step, which is exactly
+    the saved LR when nothing changed. Returns (saved peak, current peak) of the groups whose
+    peak changed, for the caller to log.
+    """
+    peaks = list(scheduler.base_lrs)
+    scheduler.load_state_dict(state)
+    changed = [(float(old), float(new)) for old, new in zip(scheduler.base_lrs, peaks)
+               if old != new]
+    scheduler.base_lrs = peaks
+    step = scheduler.last_epoch
+    for group, peak, factor in zip(scheduler.optimizer.param_groups, peaks, scheduler.lr_lambdas):
+        group["initial_lr"] = peak
+        group["lr"] = peak * factor(step)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+    return changed

@@ -30,6 +30,7 @@ from trainer import checkpoint as ckpt
 from trainer.args import ConfigError, ResolvedArgs, model_config, resolve_args
 from trainer.distributed import Topology, all_reduce_max, barrier, destroy, init_distributed
 from trainer.distributed import world_size_from_env
+from trainer.optim import resume_lr_scheduler
 from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
 from trainer.stages import build_stage
 from trainer.stages.base import NonFiniteError
@@ -179,7 +180,12 @@ def resume_or_warm_start(args: ResolvedArgs, topo: Topology, out: Path, stage) -
     if path is not None:
         state = loaded["state"]
         for name, sched_state in state.get("schedulers", {}).items():
-            stage.schedulers[name].load_state_dict(sched_state)
+            changed = resume_lr_scheduler(stage.schedulers[name], sched_state)
+            if changed:
+                log.warning("%s: peak learning rate(s) changed since %s was saved (%s); the "
+                            "schedule goes on from step %d with the new value(s)", name,
+                            path.name, ", ".join(f"{old:g} -> {new:g}" for old, new in changed),
+                            state["step"])
         stage.load_extra_state(state.get("extra", {}))
         ckpt.restore_rng_state(state["rng"][str(topo.rank)] if str(topo.rank) in state["rng"]
                                else state["rng"]["0"])
