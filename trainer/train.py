@@ -173,8 +173,7 @@ def resume_or_warm_start(args: ResolvedArgs, topo: Topology, out: Path, stage) -
     def load(path: Path) -> None:
         loaded["state"], loaded["cursor"] = ckpt.load_checkpoint(
             path, stage_members(stage), dp_rank=topo.dp_rank, dp_world=topo.dp_world,
-            cp_size=args.cp_size, resume_data_state=args.resume_data_state,
-            config_digest=args.digest())
+            cp_size=args.cp_size, resume_data_state=args.resume_data_state)
 
     path = ckpt.find_resume_checkpoint(out, load)
     if path is not None:
@@ -195,6 +194,7 @@ def resume_or_warm_start(args: ResolvedArgs, topo: Topology, out: Path, stage) -
             log.warning("resume_data_state is false: the data stream RESTARTS from the top; "
                         "model, optimizer and schedule are resumed from %s", path)
         log.info("resumed from %s (step %d)", path, state["step"])
+        _log_config_changes(path, args)
         return int(state["step"])
     # A multi-role stage (Stage2) names its sources in keys of its own and always warm starts.
     if args.load_transformer_weights or getattr(stage, "needs_warm_start", False):
@@ -206,6 +206,25 @@ def resume_or_warm_start(args: ResolvedArgs, topo: Topology, out: Path, stage) -
         return 0
     log.info("no checkpoint in %s: starting fresh", out)
     return 0
+
+
+def _log_config_changes(checkpoint: Path, args: ResolvedArgs) -> None:
+    """Warn, key by key, where this run's arguments differ from those that saved `checkpoint`."""
+    try:
+        saved = json.loads((checkpoint / "resolved-config.json").read_text())
+    except (OSError, ValueError):
+        return  # checkpoints written by other tools carry no config: nothing to compare
+    now = json.loads(json.dumps(dict(args), default=str))  # the saved file's JSON types
+
+    def shown(value) -> str:
+        text = json.dumps(value)
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    changed = [f"{key} {shown(saved.get(key))} -> {shown(now.get(key))}"
+               for key in sorted(set(saved) | set(now)) if saved.get(key) != now.get(key)]
+    if changed:
+        log.warning("%s was saved with other arguments; this run uses: %s", checkpoint.name,
+                    "; ".join(changed))
 
 
 def stage_members(stage) -> dict[str, dict]:

@@ -293,11 +293,16 @@ def test_restart_with_its_only_checkpoint_corrupt_fails_clearly_and_does_not_sta
 
 def test_restart_with_a_lower_learning_rate_trains_on_at_it_and_says_so(tiny_trainer, tmp_path):
     out = _copy_run(tiny_trainer.reference(), tmp_path / "lower-lr", keep=[6])
-    proc = tiny_trainer.run(out, "--learning_rate", "2.5e-4")
+    proc = tiny_trainer.run(out, "--learning_rate", "2.5e-4", "--save_total_limit", "0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {out / 'checkpoint-6'}" in proc.stderr
     assert "peak learning rate(s) changed since checkpoint-6 was saved (0.001 -> 0.00025)" in \
         proc.stderr
+    # Key by key (the copied run also has another output_dir), and nothing else.
+    changes = proc.stderr.split("checkpoint-6 was saved with other arguments; this run uses: ")[1]
+    changed = changes.splitlines()[0].split("; ")
+    assert changed[0] == "learning_rate 0.001 -> 0.00025" and len(changed) == 2, changed
+    assert changed[1].startswith('output_dir "/'), changed
     records = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
     # The tiny schedule is constant after 4 warm-up steps: the new peak from step 7 on, for
     # AdamW's groups; Muon's own LR did not change.
