@@ -636,7 +636,6 @@ def load_checkpoint(
     dp_world: int = 1,
     cp_size: int = 1,
     resume_data_state: bool = True,
-    config_digest: str | None = None,
     process_group: dist.ProcessGroup | None = None,
 ) -> tuple[dict[str, Any], Any]:
     """Load a checkpoint's members in place; return (training_state, this dp rank's data cursor).
@@ -658,7 +657,7 @@ def load_checkpoint(
 
     def check() -> None:
         info = read_complete(path)
-        _check_compatible(path, info, members, dp_world, cp_size, resume_data_state, config_digest)
+        _check_compatible(path, info, members, dp_world, cp_size, resume_data_state)
         for name, (state, _) in expanded.items():
             _check_member_shapes(path / name, state)
 
@@ -697,7 +696,7 @@ def load_checkpoint(
 
 
 def _check_compatible(path: Path, info: dict[str, Any], members: Mapping[str, Any], dp_world: int,
-                      cp_size: int, resume_data_state: bool, config_digest: str | None) -> None:
+                      cp_size: int, resume_data_state: bool) -> None:
     """Raise CheckpointIncompatibleError if this run cannot use the checkpoint described by `info`."""
     absent = [name for name in members if name not in info["members"]]
     if absent:
@@ -714,9 +713,6 @@ def _check_compatible(path: Path, info: dict[str, Any], members: Mapping[str, An
             "cp_size, or set resume_data_state=false to keep model and optimizer and restart the "
             "data stream."
         )
-    if config_digest is not None and info.get("config_digest") and info["config_digest"] != config_digest:
-        log.warning("%s was saved with a different configuration (digest %s, now %s)",
-                    path.name, info["config_digest"], config_digest)
     unused = [name for name in info["members"] if name not in members]
     if unused:
         log.info("%s: not loading member(s) %s (this run does not use them)", path.name, unused)
