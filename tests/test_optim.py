@@ -5,7 +5,6 @@ ALGORITHMS.md §10.3 items 1-6, plus schedule shapes, state round trips and a de
 
 import copy
 import math
-import os
 
 import pytest
 import torch
@@ -478,8 +477,6 @@ def test_muon_on_single_rank_dtensor_matches_plain(tmp_path):
     _muon_on_sharded_matches_plain(0, 1, f"file://{tmp_path / 'store'}")
 
 
-@pytest.mark.skipif(not os.environ.get("RELAY_MULTIPROCESS_TESTS"),
-                    reason="spawns 2 gloo ranks (~20 s on 2 cores); set RELAY_MULTIPROCESS_TESTS=1")
 def test_muon_on_two_rank_sharded_weight_matches_plain(tmp_path):
     import torch.multiprocessing as mp
     mp.spawn(_muon_on_sharded_matches_plain, args=(2, f"file://{tmp_path / 'store'}"),
