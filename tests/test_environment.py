@@ -80,15 +80,20 @@ def test_missing_and_unset_cache_dirs(tmp_path):
     assert unset["path"] is None and not unset["exists"]
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
 def test_read_only_cache_dir_is_not_writable(tmp_path):
-    cache = tmp_path / "ro"
-    _touch(cache / "kernel.bin")
-    cache.chmod(0o555)
-    try:
-        report = inspect_cache_dir(cache)
-    finally:
-        cache.chmod(0o755)
+    if os.geteuid() != 0:
+        cache = tmp_path / "ro"
+        _touch(cache / "kernel.bin")
+        cache.chmod(0o555)
+        try:
+            report = inspect_cache_dir(cache)
+        finally:
+            cache.chmod(0o755)
+    else:
+        # Root writes through permission bits; sysfs refuses new files even to root.
+        if not Path("/sys/fs").is_dir():
+            pytest.skip("running as root and no /sys/fs to stand for a read-only directory")
+        report = inspect_cache_dir(Path("/sys/fs"), max_files=5)
     assert report["exists"] and report["warm"] and report["writable"] is False
 
 
