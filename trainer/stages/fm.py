@@ -101,11 +101,11 @@ class FlowMatchingStage(Stage):
         self.null_mask = null_mask[0].to(device)
 
     def train_step(self, step: int) -> dict[str, float]:
+        """One optimizer step over gradient_accumulation_steps micro-batches; the numbers to log."""
         args = self.args
         accum = args.gradient_accumulation_steps
         optimizer = self.optimizers["transformer"]
-        total, stats = 0.0, {}
-        samples = 0
+        total, samples, stats = 0.0, 0, []
         for micro in range(accum):
             batch = batch_to_device(self.data.next_batch(), self.device)
             samples += batch["latents"].shape[0]
@@ -114,10 +114,10 @@ class FlowMatchingStage(Stage):
             ctx = self.train_model.no_sync() if not sync else contextlib.nullcontext()
             with ctx:
                 with autocast_context(self.device, args.dtype):
-                    loss, stats = fm_loss(self.train_model, batch, args, self.null_text,
-                                          self.null_mask, self.num_tokens(batch))
+                    loss, micro_stats = self.micro_batch_loss(batch, micro)
                 (loss / accum).backward()
             total += float(loss.detach()) / accum
+            stats.append(micro_stats)
         grad_norm = clip_and_check(step, self.model, total, args.max_grad_norm)
         lrs = learning_rates(optimizer)  # the LRs this step uses (the scheduler moves them on)
         optimizer.step()
@@ -125,7 +125,18 @@ class FlowMatchingStage(Stage):
         optimizer.zero_grad(set_to_none=True)
         if "transformer" in self.emas:
             self.emas["transformer"].update(self.model, step)
-        return {"loss": total, "grad_norm": grad_norm, **lrs, "samples": samples, **stats}
+        return {"loss": total, "grad_norm": grad_norm, **lrs, "samples": samples,
+                **self.merge_stats(stats)}
+
+    def micro_batch_loss(self, batch: dict, micro: int) -> tuple[torch.Tensor, dict]:
+        """The loss of one micro-batch (index `micro` within the step) and its diagnostics."""
+        return fm_loss(self.train_model, batch, self.args, self.null_text, self.null_mask,
+                       self.tokens_per_sample)
+
+    @staticmethod
+    def merge_stats(stats: list[dict]) -> dict:
+        """One step's diagnostics from its micro-batches' (FM logs the last micro-batch's)."""
+        return stats[-1]
 
     def warm_start(self, args) -> dict:
         """Load pretrained transformer weights (a fresh optimizer, schedule and data cursor)."""

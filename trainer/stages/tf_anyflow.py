@@ -19,7 +19,6 @@ with the KV cache for a causal model, committing each finished chunk clean.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
 from typing import Callable, NamedTuple
@@ -28,7 +27,6 @@ import torch
 from torch import nn
 
 from trainer import flow
-from trainer.stages.base import autocast_context, batch_to_device, clip_and_check, learning_rates
 from trainer.stages.fm import FlowMatchingStage, build_optimization, sample_condition_frames
 
 N = flow.NUM_TRAIN_TIMESTEPS
@@ -432,36 +430,16 @@ class TFAnyFlowStage(FlowMatchingStage):
 
     name = "tf_anyflow"
 
-    def train_step(self, step: int) -> dict[str, float]:
-        """One optimizer step over gradient_accumulation_steps micro-batches; the numbers to log."""
-        args = self.args
-        accum = args.gradient_accumulation_steps
-        optimizer = self.optimizers["transformer"]
-        total, samples, stats = 0.0, 0, []
-        for micro in range(accum):
-            batch = batch_to_device(self.data.next_batch(), self.device)
-            samples += batch["latents"].shape[0]
-            self.tokens_per_sample = self.num_tokens(batch)
-            rank, world = logical_rank(self.dp_rank, self.dp_world, accum, micro)
-            sync = micro == accum - 1 or not hasattr(self.train_model, "no_sync")
-            ctx = self.train_model.no_sync() if not sync else contextlib.nullcontext()
-            with ctx:
-                with autocast_context(self.device, args.dtype):
-                    loss, micro_stats = anyflow_batch_loss(
-                        self.train_model, batch, args, self.null_text, self.null_mask,
-                        rank=rank, world=world, num_tokens=self.tokens_per_sample)
-                (loss / accum).backward()
-            total += float(loss.detach()) / accum
-            stats.append(micro_stats)
-        grad_norm = clip_and_check(step, self.model, total, args.max_grad_norm)
-        lrs = learning_rates(optimizer)  # the LRs this step uses (the scheduler moves them on)
-        optimizer.step()
-        self.schedulers["transformer"].step()
-        optimizer.zero_grad(set_to_none=True)
-        if "transformer" in self.emas:
-            self.emas["transformer"].update(self.model, step)
-        return {"loss": total, "grad_norm": grad_norm, **lrs, "samples": samples,
-                **_merge_stats(stats)}
+    def micro_batch_loss(self, batch: dict, micro: int) -> tuple[torch.Tensor, dict]:
+        rank, world = logical_rank(self.dp_rank, self.dp_world,
+                                   self.args.gradient_accumulation_steps, micro)
+        return anyflow_batch_loss(self.train_model, batch, self.args, self.null_text,
+                                  self.null_mask, rank=rank, world=world,
+                                  num_tokens=self.tokens_per_sample)
+
+    @staticmethod
+    def merge_stats(stats: list[dict]) -> dict:
+        return _merge_stats(stats)
 
     def warm_start(self, args) -> dict:
         """Load the FM (SFT) weights with E_r := E_t (`load_two_time_weights`); the EMA
