@@ -200,7 +200,7 @@ def warm_up_kernels(args: ResolvedArgs, device: torch.device | str,
     the data cannot be read, and whatever the forward/backward raises (an out-of-memory error
     here is one the training run would have hit too).
     """
-    from trainer.stages import build_model
+    from trainer.stages import build_model, compile_for_training
     from trainer.stages.base import autocast_context
 
     device = torch.device(device)
@@ -219,10 +219,8 @@ def warm_up_kernels(args: ResolvedArgs, device: torch.device | str,
         torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(args.seed)
     start = time.perf_counter()
-    model = build_model(args, device)
+    model = compile_for_training(build_model(args, device), args)
     model.train()
-    if args.compile_transformer:
-        compile_transformer_blocks(model)
     batch = _random_batch(shapes, device)
     built = time.perf_counter()
     with _Heartbeat("in the forward pass", heartbeat_s):

@@ -45,6 +45,19 @@ def build_model(args: ResolvedArgs, device: torch.device):
     return VideoDiT(**model_config(args)).to(device)
 
 
+def compile_for_training(model: torch.nn.Module, args: ResolvedArgs) -> torch.nn.Module:
+    """torch.compile the model's blocks when compile_transformer is set; returns the model.
+
+    Training and the kernel warm-up both come through here, so they compile the same graphs
+    and the warm-up fills the cache entries training will look up (docs/kernels.md).
+    """
+    if args.compile_transformer:
+        from trainer.kernels import compile_transformer_blocks
+
+        compile_transformer_blocks(model)
+    return model
+
+
 def wrap_for_training(model: torch.nn.Module, topo: Topology) -> torch.nn.Module:
     """Data parallel when there is more than one rank (FSDP2 comes with sharding)."""
     if not topo.distributed:
