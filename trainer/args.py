@@ -116,7 +116,8 @@ SECTIONS: dict[str, list[Arg]] = {
             choices=("auto", "float32", "bfloat16")),
         Arg("deterministic", "bool", False,
             "torch deterministic algorithms (bit-identical resume on CPU; slower on GPU)."),
-        Arg("compile_transformer", "bool", False, "torch.compile each transformer block."),
+        Arg("compile_transformer", "bool", False,
+            "torch.compile each transformer block (the kernel warm-up compiles the same graphs)."),
         Arg("use_ema", "bool", False, "Keep an fp32 EMA shadow of the trained weights."),
         Arg("ema_decay", "float", 0.999, "EMA decay d: ema <- d*ema + (1-d)*live."),
         Arg("ema_start_step", "int", 0, "Optimizer step at which the EMA starts (a copy)."),
@@ -171,7 +172,8 @@ SECTIONS: dict[str, list[Arg]] = {
             "Ulysses context-parallel degree; the world splits as dp x cp. Must divide the "
             "world size and num_attention_heads."),
         Arg("enable_gradient_checkpointing", "bool", False,
-            "Recompute block activations in the backward pass."),
+            "Recompute each transformer block's activations in the backward pass (less memory, "
+            "about one more forward of compute)."),
         Arg("dist_backend", "str", "auto", "Process-group backend (auto: nccl on GPU, else gloo).",
             choices=("auto", "nccl", "gloo")),
     ],

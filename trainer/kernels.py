@@ -200,7 +200,7 @@ def warm_up_kernels(args: ResolvedArgs, device: torch.device | str,
     the data cannot be read, and whatever the forward/backward raises (an out-of-memory error
     here is one the training run would have hit too).
     """
-    from trainer.stages import build_model, compile_for_training
+    from trainer.stages import build_model, prepare_for_training
     from trainer.stages.base import autocast_context
 
     device = torch.device(device)
@@ -219,7 +219,7 @@ def warm_up_kernels(args: ResolvedArgs, device: torch.device | str,
         torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(args.seed)
     start = time.perf_counter()
-    model = compile_for_training(build_model(args, device), args)
+    model = prepare_for_training(build_model(args, device), args)
     model.train()
     batch = _random_batch(shapes, device)
     built = time.perf_counter()

@@ -45,12 +45,20 @@ def build_model(args: ResolvedArgs, device: torch.device):
     return VideoDiT(**model_config(args)).to(device)
 
 
-def compile_for_training(model: torch.nn.Module, args: ResolvedArgs) -> torch.nn.Module:
-    """torch.compile the model's blocks when compile_transformer is set; returns the model.
+def prepare_for_training(model: torch.nn.Module, args: ResolvedArgs) -> torch.nn.Module:
+    """Activation checkpointing and torch.compile of the blocks, as the args ask; returns model.
 
-    Training and the kernel warm-up both come through here, so they compile the same graphs
-    and the warm-up fills the cache entries training will look up (docs/kernels.md).
+    enable_gradient_checkpointing recomputes each block's activations in the backward pass
+    (torch's composable `checkpoint`: it hooks the block's forward and keeps parameter names,
+    so checkpoints and warm starts do not see it). compile_transformer compiles the blocks'
+    two streams. Training and the kernel warm-up both come through here, so they compile the
+    same graphs and the warm-up measures the memory training will need (docs/kernels.md).
     """
+    if args.enable_gradient_checkpointing:
+        from torch.distributed._composable import checkpoint
+
+        for block in model.blocks:
+            checkpoint(block)
     if args.compile_transformer:
         from trainer.kernels import compile_transformer_blocks
 

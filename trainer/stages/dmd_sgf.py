@@ -465,14 +465,14 @@ def build_dmd_sgf_stage(args, topo) -> DMDSGFStage:
     from trainer.ema import EMA
     from trainer.model import VideoDiT
     from trainer.optim import build_lr_scheduler, build_optimizer
-    from trainer.stages import build_data, build_model, build_text_encoder, compile_for_training
+    from trainer.stages import build_data, build_model, build_text_encoder, prepare_for_training
 
     device = topo.device
-    student = compile_for_training(build_model(args, device), args)
+    student = prepare_for_training(build_model(args, device), args)
     bidirectional = teacher_model_config(model_config(args))
-    teacher = compile_for_training(
+    teacher = prepare_for_training(
         VideoDiT(**bidirectional).to(device).eval().requires_grad_(False), args)
-    critic = compile_for_training(VideoDiT(**bidirectional).to(device), args)
+    critic = prepare_for_training(VideoDiT(**bidirectional).to(device), args)
     optimizers = {
         "student": build_optimizer(
             student, use_muon=args.use_muon, learning_rate=args.learning_rate,

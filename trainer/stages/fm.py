@@ -181,9 +181,9 @@ def build_optimization(args, model: nn.Module):
 def build_fm_stage(args, topo) -> FlowMatchingStage:
     """Model, optimizer, LR schedule, EMA and data for pretrain / SFT."""
     from trainer.stages import (build_data, build_model, build_text_encoder,
-                                compile_for_training, wrap_for_training)
+                                prepare_for_training, wrap_for_training)
 
-    model = compile_for_training(build_model(args, topo.device), args)
+    model = prepare_for_training(build_model(args, topo.device), args)
     optimizer, scheduler, ema = build_optimization(args, model)
     return FlowMatchingStage(model, wrap_for_training(model, topo), optimizer, scheduler, ema,
                              build_data(args, topo), args, build_text_encoder(args), topo.device,

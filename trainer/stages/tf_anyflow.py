@@ -534,10 +534,10 @@ def build_tf_anyflow_stage(args, topo) -> TFAnyFlowStage:
     """Model, optimizer, LR schedule, EMA and data for Stage1. Raises ConfigError (see
     validate_tf_anyflow_args)."""
     from trainer.stages import (build_data, build_model, build_text_encoder,
-                                compile_for_training, wrap_for_training)
+                                prepare_for_training, wrap_for_training)
 
     validate_tf_anyflow_args(args)
-    model = compile_for_training(build_model(args, topo.device), args)
+    model = prepare_for_training(build_model(args, topo.device), args)
     optimizer, scheduler, ema = build_optimization(args, model)
     return TFAnyFlowStage(model, wrap_for_training(TeacherForcingForward(model), topo), optimizer,
                           scheduler, ema, build_data(args, topo), args, build_text_encoder(args),
