@@ -93,6 +93,29 @@ def test_stage1_warm_up_runs_the_teacher_forcing_loss_of_the_two_time_model(tmp_
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("rollout_mode", ["simulate", "data_latent"])
+def test_stage2_warm_up_runs_one_outer_step_of_all_three_roles(tmp_path, captured_model,
+                                                                rollout_mode):
+    stage2 = str(REPO / "config" / "tiny" / "stage2.yaml")
+    sources = [f"--{role}_init_path={tmp_path / 'sources'}"
+               for role in ("student", "teacher", "critic")]
+    args = resolve_config(stage2, _argv(tmp_path, *sources, "--rollout_mode", rollout_mode),
+                          check_paths=False)
+    report = kernels.warm_up_kernels(args, "cpu")
+
+    assert report["status"] == "ok" and report["stage"] == "dmd_sgf"
+    assert math.isfinite(report["loss"])
+    # The backward reached the causal student (the model the warm-up builds) through its replay;
+    # its gradient is zero here, as it should be: with random zero-init weights the teacher and
+    # the critic agree, and the DMD gradient vanishes. No optimizer step was taken.
+    student = captured_model["model"]
+    assert student.cfg.causal_chunk_size
+    assert all(p.grad is not None for p in student.blocks.parameters())
+    for name, value in student.state_dict().items():
+        assert torch.equal(value, captured_model["initial"][name]), name
+    assert not (tmp_path / "out").exists()
+
+
 def test_latent_shape_comes_from_the_first_parquet_row(tmp_path):
     data = tmp_path / "parquet"
     ensure_dataset(data, 4, seed=0, num_frames=2, height=8, width=8)

@@ -43,10 +43,10 @@ def test_golden_240_node_efa_stage():
 
 def test_golden_warmup_of_the_240_node_efa_pipeline():
     # One node, one task, one GPU; the cluster's partition, env, network and sbatch_extra; the
-    # commands it runs listed at the top. Stage2 (no warm-up loss) is not in it.
+    # commands it runs listed at the top.
     pipeline = validate_pipeline(ROOT / "config/pipeline/production-example.yaml", cwd=ROOT,
                                  check_paths=False, python=FAKE_PYTHON)
-    assert pipeline.warmup.stages == ["pretrain", "sft", "stage1"]
+    assert pipeline.warmup.stages == ["pretrain", "sft", "stage1", "stage2"]
     check_golden("warmup-1-node-efa.sbatch",
                  render_warmup_sbatch(pipeline.warmup, repo_root=FAKE_REPO))
 

@@ -132,11 +132,32 @@ def _tf_anyflow_loss(model, batch: dict, args: ResolvedArgs, shapes: dict) -> to
     return loss
 
 
-# stage -> the loss of one micro-batch, through the same code the stage trains with. A new
-# stage adds its loss here. dmd_sgf has none yet: its step is a rollout of the student plus the
-# teacher and critic, three models that only the stage itself builds.
+def _dmd_sgf_loss(student, batch: dict, args: ResolvedArgs, shapes: dict) -> torch.Tensor:
+    from trainer.model import VideoDiT
+    from trainer.stages import build_text_encoder, prepare_for_training
+    from trainer.stages.dmd_sgf import DMDSGFStage, teacher_model_config
+
+    # One outer step holds all three roles in memory, as training does: the student's rollout
+    # and its replay, then the teacher and critic scores (generator loss) and the critic's own
+    # flow-matching loss. Random weights: the shapes, not the values, pick the kernels.
+    device = batch["latents"].device
+    bidirectional = teacher_model_config(model_config(args))
+    teacher = prepare_for_training(
+        VideoDiT(**bidirectional).to(device).eval().requires_grad_(False), args)
+    critic = prepare_for_training(VideoDiT(**bidirectional).to(device), args)
+    stage = DMDSGFStage(student, teacher, critic, {}, {}, None, None, args,
+                        build_text_encoder(args), device)
+    captions = stage._captions(batch)
+    x_hat, frame_mask, _ = stage.student_sample(batch, with_grad=True)
+    generator, _ = stage.generator_loss(x_hat, frame_mask, captions)
+    return generator + stage.critic_loss(x_hat.detach(), frame_mask, captions)
+
+
+# stage -> the loss of one micro-batch (Stage2: of one outer step), through the same code the
+# stage trains with. A new stage adds its loss here.
 STAGE_LOSSES: dict[str, Callable[..., torch.Tensor]] = {"fm": _fm_loss,
-                                                        "tf_anyflow": _tf_anyflow_loss}
+                                                        "tf_anyflow": _tf_anyflow_loss,
+                                                        "dmd_sgf": _dmd_sgf_loss}
 
 
 def _random_batch(shapes: dict, device: torch.device) -> dict:
