@@ -116,6 +116,23 @@ def test_stage2_warm_up_runs_one_outer_step_of_all_three_roles(tmp_path, capture
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("stage", ["pretrain", "stage1", "stage2"])
+def test_every_stage_runs_with_gradient_checkpointing_and_the_same_loss(tmp_path, stage):
+    # The warm-up runs a stage's own loss on the model prepare_for_training made, from the
+    # seed: checkpointing must change the memory, not the numbers. Stage2 covers the no-grad
+    # rollout with its KV cache, the replay with grad and the frozen teacher.
+    extra = {"pretrain": [], "stage1": ["--pretrained_transformer_path", str(tmp_path)],
+             "stage2": [f"--{role}_init_path={tmp_path}"
+                        for role in ("student", "teacher", "critic")]}[stage]
+    config = str(REPO / "config" / "tiny" / f"{stage}.yaml")
+    losses = {}
+    for on in ("false", "true"):
+        args = resolve_config(config, _argv(tmp_path, *extra, "--enable_gradient_checkpointing",
+                                            on), check_paths=False)
+        losses[on] = kernels.warm_up_kernels(args, "cpu")["loss"]
+    assert math.isfinite(losses["true"]) and losses["true"] == losses["false"]
+
+
 def test_latent_shape_comes_from_the_first_parquet_row(tmp_path):
     data = tmp_path / "parquet"
     ensure_dataset(data, 4, seed=0, num_frames=2, height=8, width=8)
