@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from trainer import flow
-from trainer.args import ConfigError, resolve_args
+from trainer.args import resolve_args
+from trainer.schema import ConfigError
 from trainer.ema import EMA
 from trainer.model import VideoDiT
 from trainer.stages import dmd_sgf as D
@@ -394,7 +395,7 @@ def stage_args(**overrides):
 
 
 def make_stage(**overrides):
-    from trainer.args import model_config
+    from trainer.schema import model_config
     from trainer.optim import build_lr_scheduler, build_optimizer
     from trainer.text_encoder import build_text_encoder
 

@@ -4,7 +4,8 @@ import json
 import pytest
 import torch
 
-from trainer.model import MODEL_CONFIG_DEFAULTS, DiTConfig, DiTBlock, VideoDiT
+from trainer.model import DiTBlock, VideoDiT
+from trainer.model_config import MODEL_CONFIG_DEFAULTS, DiTConfig
 
 torch.set_num_threads(1)
 

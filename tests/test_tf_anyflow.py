@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,8 @@ import pytest
 import torch
 
 from trainer import flow
-from trainer.args import ConfigError, resolve_config
+from trainer.args import resolve_config
+from trainer.schema import ConfigError
 from trainer.ema import EMA
 from trainer.model import VideoDiT
 from trainer.stages.tf_anyflow import (

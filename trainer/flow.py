@@ -15,7 +15,7 @@ import math
 
 import torch
 
-NUM_TRAIN_TIMESTEPS = 1000
+from trainer.model_config import NUM_TRAIN_TIMESTEPS  # noqa: F401  (flow.NUM_TRAIN_TIMESTEPS)
 
 # Every base sample is squeezed into this interval so that neither end of the path (where the
 # model input is exactly data or exactly noise) is drawn. ALGORITHMS.md §2.1.

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from trainer import checkpoint as ckpt
-from trainer.args import ResolvedArgs, model_config
+from trainer.schema import ResolvedArgs, model_config
 
 
 # The role that `relay sample` / `relay eval` sample from, for stages with several roles.

@@ -35,7 +35,9 @@ if __package__ in (None, ""):  # `python trainer/kernels.py`: make the repositor
 
 import torch
 
-from trainer.args import ConfigError, ResolvedArgs, model_config, resolve_args
+from trainer.args import resolve_args
+
+from trainer.schema import ConfigError, ResolvedArgs, model_config
 
 log = logging.getLogger("relay")
 

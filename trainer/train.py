@@ -27,7 +27,8 @@ import torch
 
 from launcher.environment import probe_environment
 from trainer import checkpoint as ckpt
-from trainer.args import ConfigError, ResolvedArgs, model_config, resolve_args
+from trainer.args import resolve_args
+from trainer.schema import ConfigError, ResolvedArgs, model_config
 from trainer.distributed import Topology, all_reduce_max, barrier, destroy, init_distributed
 from trainer.distributed import world_size_from_env
 from trainer.optim import resume_lr_scheduler

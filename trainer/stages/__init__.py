@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from trainer.args import ResolvedArgs, model_config
+from trainer.schema import ResolvedArgs, model_config
 from trainer.distributed import Topology, barrier
 
 log = logging.getLogger("relay")

@@ -17,7 +17,6 @@ its updates, counted in student updates (§7.8a, §9).
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -39,75 +38,6 @@ ROLES = ("student", "teacher", "critic")
 
 
 # ---- configuration -----------------------------------------------------------------------
-
-def validate_dmd_sgf_args(args) -> None:
-    """Reject a Stage2 configuration that cannot run, before any model exists.
-
-    For other stages only warns when Stage2 init paths are set (they would do nothing).
-    Raises trainer.args.ConfigError saying what to change.
-    """
-    from trainer.args import ConfigError, model_config
-
-    paths = ("student_init_path", "teacher_init_path", "critic_init_path")
-    if args.stage != "dmd_sgf":
-        unused = [key for key in paths if args[key] is not None]
-        if unused:
-            warnings.warn(f"{', '.join(unused)} set but stage is {args.stage!r}: they have no "
-                          "effect outside stage dmd_sgf.")
-        return
-
-    def check(ok: bool, message: str) -> None:
-        if not ok:
-            raise ConfigError(message)
-
-    missing = [key for key in paths if args[key] is None]
-    check(not missing, f"stage dmd_sgf needs {', '.join(missing)}: the student starts from a "
-          "Stage1 output_dir (its EMA), the teacher and the critic from an SFT output_dir.")
-    check(args.pretrained_transformer_path is None and not args.load_transformer_weights,
-          "stage dmd_sgf does not read pretrained_transformer_path / load_transformer_weights: "
-          "its three roles load from student_init_path, teacher_init_path and critic_init_path "
-          "(with student_/teacher_/critic_init_weights). Remove the pretrained_transformer_path "
-          "and load_transformer_weights keys.")
-    config = model_config(args)
-    check(config.get("causal_chunk_size") is not None,
-          "stage dmd_sgf trains a causal student: set causal_chunk_size in "
-          "transformer_config_overrides (the student's config; the teacher and critic use it "
-          "with causal_chunk_size null).")
-    check(not config.get("two_time", False),
-          "the Stage2 student is single-time: set two_time: false in "
-          "transformer_config_overrides (Stage1's r_embedder.* is dropped at load).")
-    check(args.generator_update_interval >= 1,
-          f"`generator_update_interval` must be >= 1, got {args.generator_update_interval}.")
-    steps = list(args.dmd_denoising_steps)
-    check(len(steps) >= 1 and all(0 < a <= N for a in steps)
-          and all(a > b for a, b in zip(steps, steps[1:])),
-          f"`dmd_denoising_steps` must be raw timesteps in (0, {N}], strictly descending, e.g. "
-          f"[1000, 750, 500, 250]; got {steps}.")
-    check(args.real_guidance_scale >= 0,
-          f"`real_guidance_scale` (reference convention, 0 = conditional only) must be >= 0, "
-          f"got {args.real_guidance_scale}.")
-    lo, hi = args.min_score_timestep_ratio, args.max_score_timestep_ratio
-    check(0.0 <= lo < hi <= 1.0,
-          f"score timestep ratios need 0 <= min < max <= 1, got min {lo}, max {hi}.")
-    check(args.critic_learning_rate > 0,
-          f"`critic_learning_rate` must be > 0, got {args.critic_learning_rate}.")
-    for key in ("critic_adam_beta1", "critic_adam_beta2"):
-        check(0.0 <= args[key] < 1.0, f"`{key}` must lie in [0, 1), got {args[key]}.")
-    check(args.critic_max_grad_norm >= 0, "`critic_max_grad_norm` must be >= 0 (0 disables).")
-    check(args.gradient_accumulation_steps == 1,
-          "stage dmd_sgf takes one micro-batch per update: set gradient_accumulation_steps: 1 "
-          "and raise train_batch_size instead.")
-    check(args.video_cond_prob == 0.0,
-          "stage dmd_sgf supports image conditioning (image_cond_prob: the first latent frame "
-          "as a clean anchor) but not video_cond_prob; set video_cond_prob: 0.")
-    if args.cfg_drop_prob > 0:
-        warnings.warn("cfg_drop_prob has no effect in stage dmd_sgf: the student is trained on "
-                      "its captions, the teacher's unconditional branch uses the null caption. "
-                      "Set cfg_drop_prob: 0 to silence this.")
-    if args.max_steps <= args.generator_update_interval:
-        warnings.warn(f"max_steps ({args.max_steps}) <= generator_update_interval "
-                      f"({args.generator_update_interval}): the student never updates.")
-
 
 def teacher_model_config(student_config: dict) -> dict:
     """The bidirectional single-time config of the teacher and critic: the student's config
@@ -461,7 +391,7 @@ def build_dmd_sgf_stage(args, topo) -> DMDSGFStage:
 
     Weights are random here: train.py calls warm_start (no checkpoint yet) or resumes.
     """
-    from trainer.args import model_config
+    from trainer.schema import model_config
     from trainer.ema import EMA
     from trainer.model import VideoDiT
     from trainer.optim import build_lr_scheduler, build_optimizer

@@ -19,8 +19,6 @@ with the KV cache for a causal model, committing each finished chunk clean.
 
 from __future__ import annotations
 
-import math
-import warnings
 from typing import Callable, NamedTuple
 
 import torch
@@ -47,55 +45,6 @@ VelocityFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # ---------------------------------------------------------------------------------------------
 # configuration
 # ---------------------------------------------------------------------------------------------
-
-def validate_tf_anyflow_args(args) -> None:
-    """Stage-specific checks for stage tf_anyflow (nothing for other stages).
-
-    Raises trainer.args.ConfigError when the model config is not a causal two-time model whose
-    gate equals anyflow_time_gate, or a Stage1 setting is out of range. Warns when no EMA is
-    kept (Stage2 starts from Stage1's EMA).
-    """
-    from trainer.args import ConfigError, model_config
-
-    if args.stage != "tf_anyflow":
-        return
-    config = model_config(args)
-    if config.get("causal_chunk_size") is None:
-        raise ConfigError(
-            "stage tf_anyflow trains a causal (teacher-forcing) model, but "
-            "transformer_config_overrides has no `causal_chunk_size`. Set it to the latent "
-            "frames per chunk (e.g. causal_chunk_size: 2) so relay sample/eval rebuild the same "
-            "causal model.")
-    if config.get("two_time") is not True:
-        raise ConfigError(
-            "stage tf_anyflow trains a two-time model u(x, t, r), but transformer_config_overrides "
-            "does not say `two_time: true`. Add it: the warm start then loads the FM weights and "
-            "copies E_t into E_r (r_embedder.*).")
-    if float(config.get("time_gate", 0.25)) != float(args.anyflow_time_gate):
-        raise ConfigError(
-            f"anyflow_time_gate is {args.anyflow_time_gate} but the model's time_gate is "
-            f"{config.get('time_gate')}. The model config is what relay sample rebuilds: set "
-            f"transformer_config_overrides.time_gate to {args.anyflow_time_gate} (or change "
-            f"anyflow_time_gate to match).")
-    for key in ("anyflow_diffusion_ratio", "anyflow_consistency_ratio"):
-        if not 0.0 <= args[key] <= 1.0:
-            raise ConfigError(f"`{key}` must lie in [0, 1], got {args[key]}.")
-    if args.anyflow_diffusion_ratio + args.anyflow_consistency_ratio > 1.0:
-        raise ConfigError("`anyflow_diffusion_ratio` + `anyflow_consistency_ratio` exceed 1: no "
-                          "room is left for flow-map samples. Lower one of them.")
-    if not args.anyflow_epsilon > 0:
-        raise ConfigError(f"`anyflow_epsilon` must be > 0 (raw timestep units), got "
-                          f"{args.anyflow_epsilon}.")
-    if not args.anyflow_fuse_guidance_scale > 0:
-        raise ConfigError(f"`anyflow_fuse_guidance_scale` must be > 0 (the residual is divided "
-                          f"by it; 1 = no fusion), got {args.anyflow_fuse_guidance_scale}.")
-    if args.flowmap_sampling_steps < 1:
-        raise ConfigError(f"`flowmap_sampling_steps` must be at least 1, got "
-                          f"{args.flowmap_sampling_steps}.")
-    if not args.use_ema:
-        warnings.warn("stage tf_anyflow with use_ema: false. Stage2's student starts from "
-                      "Stage1's EMA; set use_ema: true unless you know you want the live weights.")
-
 
 # ---------------------------------------------------------------------------------------------
 # (t, r) pairs (§6.3)
@@ -529,14 +478,11 @@ def _sum_across_ranks(values: list[float]) -> list[float]:
     return tensor.cpu().tolist()
 
 
-
 def build_tf_anyflow_stage(args, topo) -> TFAnyFlowStage:
-    """Model, optimizer, LR schedule, EMA and data for Stage1. Raises ConfigError (see
-    validate_tf_anyflow_args)."""
+    """Model, optimizer, LR schedule, EMA and data for Stage1 (args checked by trainer.stage_checks)."""
     from trainer.stages import (build_data, build_model, build_text_encoder,
                                 prepare_for_training, wrap_for_training)
 
-    validate_tf_anyflow_args(args)
     model = prepare_for_training(build_model(args, topo.device), args)
     optimizer, scheduler, ema = build_optimization(args, model)
     return TFAnyFlowStage(model, wrap_for_training(TeacherForcingForward(model), topo), optimizer,

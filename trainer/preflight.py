@@ -1,0 +1,131 @@
+"""Everything a run is checked for before it starts (no torch here).
+
+`validate_args` runs in train.py (also for --dry-run), in `relay resolve` and in `relay submit`
+on the login node, before any model, process group or Slurm job exists, so a job never fails
+on the cluster for something that could have been said here. Stage-specific rules live in
+trainer.stage_checks and are called from here only.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+from trainer import stage_checks
+from trainer.model_config import MODEL_CONFIG_DEFAULTS
+from trainer.schema import ConfigError, ResolvedArgs, closest_key, model_config
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
+                  check_paths: bool = True) -> None:
+    """Reject contradictions before any model or process group exists. Raises ConfigError.
+
+    world_size: the number of ranks the run will have (train.py passes WORLD_SIZE; the launcher
+    passes nodes x gpus_per_node) so topology and batch arithmetic are checked early.
+    """
+    overrides = args.transformer_config_overrides
+    _check(args.output_dir is not None,
+           "`output_dir` is not set. Set it in the YAML's output section or with --output_dir.")
+    _check("zero_init_modulation" not in overrides,
+           "`zero_init_modulation` is repeated inside transformer_config_overrides. It is a "
+           "top-level key only: move it out of the overrides.")
+    if args.pretrained_transformer_path is not None and not args.load_transformer_weights:
+        raise ConfigError(
+            "`pretrained_transformer_path` is set but `load_transformer_weights` is false, so the "
+            "path would be silently ignored. Set load_transformer_weights: true to warm start, or "
+            "pretrained_transformer_path: null to train from scratch.")
+    if args.load_transformer_weights and args.pretrained_transformer_path is None:
+        raise ConfigError(
+            "`load_transformer_weights` is true but `pretrained_transformer_path` is null. Name "
+            "the checkpoint, state dict or output_dir to start from, or set "
+            "load_transformer_weights: false.")
+    for key in ("max_steps", "save_interval", "log_interval", "train_batch_size",
+                "gradient_accumulation_steps", "cp_size", "text_max_tokens",
+                "ema_update_every", "synthetic_num_samples", "synthetic_num_frames",
+                "synthetic_height", "synthetic_width"):
+        _check(args[key] >= 1, f"`{key}` must be at least 1, got {args[key]}.")
+    for key in ("warmup_steps", "save_total_limit", "ema_start_step"):
+        _check(args[key] >= 0, f"`{key}` must be >= 0, got {args[key]}.")
+    for key in ("cfg_drop_prob", "image_cond_prob", "video_cond_prob", "lr_decay_floor_ratio",
+                "flow_mix_uniform_ratio", "ema_decay"):
+        _check(0.0 <= args[key] <= 1.0, f"`{key}` must lie in [0, 1], got {args[key]}.")
+    _check(args.image_cond_prob + args.video_cond_prob <= 1.0,
+           "`image_cond_prob` + `video_cond_prob` exceed 1. Lower one of them.")
+    _check(args.learning_rate > 0, f"`learning_rate` must be > 0, got {args.learning_rate}.")
+    _check(args.train_timestep_shift > 0,
+           f"`train_timestep_shift` must be > 0, got {args.train_timestep_shift}.")
+    _check(args.max_grad_norm >= 0, "`max_grad_norm` must be >= 0 (0 disables clipping).")
+    if args.warmup_steps > args.max_steps:
+        warnings.warn(f"`warmup_steps` ({args.warmup_steps}) exceeds `max_steps` "
+                      f"({args.max_steps}): the run ends before the LR reaches its peak.")
+    if args.lr_decay_steps is not None:
+        _check(args.lr_decay_steps >= 1, "`lr_decay_steps` must be >= 1 or null.")
+    _check(args.data_path is not None,
+           "`data_path` is not set. Point it at a directory of parquet shards (or a mapping "
+           "{directory: repeat_count}); with synthetic_data: true it is where the embedded data "
+           "is generated and cached.")
+    if isinstance(args.data_path, dict):
+        _check(not args.synthetic_data,
+               "`synthetic_data: true` needs `data_path` to be one directory, not a mapping.")
+        for directory, repeat in args.data_path.items():
+            _check(repeat >= 1, f"data_path: repeat count of {directory} must be >= 1, got {repeat}.")
+    if check_paths:
+        _validate_paths(args)
+    _validate_model_overrides(args)
+    _validate_topology(args, world_size)
+    stage_checks.validate_stage(args)
+    if args.report_to == "wandb":
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ConfigError("`report_to: wandb` but the wandb package is not installed. "
+                              "pip install wandb, or set report_to: none.") from None
+    if args.cp_size > 1 or args.hybrid_shard:
+        warnings.warn("cp_size > 1 and hybrid_shard are validated but not implemented yet: the "
+                      "run will refuse to start. Use cp_size: 1 and hybrid_shard: false.")
+
+
+def _validate_paths(args: ResolvedArgs) -> None:
+    if args.data_path is not None and not args.synthetic_data:
+        dirs = [args.data_path] if isinstance(args.data_path, str) else list(args.data_path)
+        for directory in dirs:
+            _check(Path(directory).is_dir(),
+                   f"data_path {directory} does not exist. Check the path, or generate the "
+                   f"embedded data with synthetic_data: true.")
+    # A warm-start path may be produced by an earlier stage of the same pipeline, so its
+    # existence is checked at train time (and by `relay submit` only for stages run alone).
+
+
+def _validate_model_overrides(args: ResolvedArgs) -> None:
+    for key in args.transformer_config_overrides:
+        if key not in MODEL_CONFIG_DEFAULTS:
+            guess = closest_key(key, MODEL_CONFIG_DEFAULTS)
+            hint = f" Did you mean `{guess}`?" if guess else ""
+            raise ConfigError(
+                f"transformer_config_overrides: unknown model argument `{key}`.{hint} Valid: "
+                f"{', '.join(sorted(MODEL_CONFIG_DEFAULTS))}.")
+
+
+def _validate_topology(args: ResolvedArgs, world_size: int | None) -> None:
+    heads = model_config(args)["num_attention_heads"]
+    _check(heads % args.cp_size == 0,
+           f"num_attention_heads ({heads}) is not divisible by cp_size ({args.cp_size}). Ulysses "
+           f"splits heads across the cp group: pick a cp_size that divides {heads}.")
+    if world_size is None:
+        return
+    _check(world_size % args.cp_size == 0,
+           f"world size {world_size} is not divisible by cp_size {args.cp_size}. Use a cp_size "
+           f"that divides the number of GPUs (nodes x gpus_per_node).")
+    dp = world_size // args.cp_size
+    if args.global_batch_size is not None:
+        got = args.train_batch_size * args.gradient_accumulation_steps * dp
+        _check(got == args.global_batch_size,
+               f"global_batch_size is {args.global_batch_size} but train_batch_size "
+               f"({args.train_batch_size}) x gradient_accumulation_steps "
+               f"({args.gradient_accumulation_steps}) x data-parallel size ({dp}) = {got}. Change "
+               f"one of them so they agree.")
