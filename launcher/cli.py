@@ -11,7 +11,8 @@ import sys
 
 
 def cmd_resolve(ns: argparse.Namespace) -> int:
-    from trainer.args import ConfigError, resolve_config
+    from trainer.args import resolve_config
+    from trainer.schema import ConfigError
 
     try:
         args = resolve_config(ns.config, ns.overrides)
@@ -233,7 +234,7 @@ def cmd_cancel(ns: argparse.Namespace) -> int:
 
 
 def cmd_env_probe(ns: argparse.Namespace) -> int:
-    from launcher.environment import print_probe
+    from trainer.environment import print_probe
 
     return print_probe(as_json=ns.json, import_kernels=ns.import_kernels)
 

@@ -16,7 +16,7 @@ After train.py returns:
   any other code: the job fails (raises), so later stages are cancelled (kill-on-invalid-dep).
 
 The kernel-cache warm-up job (cluster.warmup) runs a `WarmupJob` in its single task instead:
-`python -m trainer.kernels <stage argv>` for each stage about to launch, one child process
+`python -m trainer.warmup <stage argv>` for each stage about to launch, one child process
 each, stopping at the first that fails. `run_warmups` is that loop; `relay run` uses it too.
 """
 
@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 PREEMPTED = 75  # trainer.preemption.PREEMPTED_EXIT_CODE (kept importable without torch)
 REQUEUE_GRACE_S = 600  # how long rank 0 waits for Slurm to stop it after `scontrol requeue`
-WARMUP_REPORT_ENV = "RELAY_WARMUP_REPORT"  # trainer.kernels.REPORT_ENV (importable without torch)
+WARMUP_REPORT_ENV = "RELAY_WARMUP_REPORT"  # trainer.warmup.REPORT_ENV (importable without torch)
 WARMUP_RESULT = "warmup-result.json"  # in <root>/warmup: the outcome of the whole warm-up
 
 
@@ -199,16 +199,16 @@ class WarmupFailed(RuntimeError):
 
 
 def warmup_command(python: str, argv) -> list[str]:
-    """The warm-up of one stage: trainer.kernels with the stage's exact train.py argv."""
-    return [python, "-u", "-m", "trainer.kernels", *argv]
+    """The warm-up of one stage: trainer.warmup with the stage's exact train.py argv."""
+    return [python, "-u", "-m", "trainer.warmup", *argv]
 
 
 def explain_warmup_exit(code: int) -> str:
-    """What a trainer.kernels exit code means (0 ok, 1 failed, 2 bad config)."""
+    """What a trainer.warmup exit code means (0 ok, 1 failed, 2 bad config)."""
     if code == 1:
         return "exit 1: forward or backward failed, e.g. a kernel that does not build or out of memory"
     if code == 2:
-        return "exit 2: trainer.kernels rejected the configuration"
+        return "exit 2: trainer.warmup rejected the configuration"
     if code < 0:
         try:
             name = signal.Signals(-code).name
@@ -239,7 +239,7 @@ def run_warmups(runs: list[dict[str, Any]], *, directory: str, python: str, work
                 prefix: str = "relay") -> dict[str, Any]:
     """Warm up each run ({"stage", "argv", "report"}) in turn; stop at the first failure.
 
-    Each run is a child process `python -m trainer.kernels <argv>` in `workdir` with
+    Each run is a child process `python -m trainer.warmup <argv>` in `workdir` with
     RELAY_WARMUP_REPORT=<report>; its stderr (the progress log) goes where ours goes, its stdout
     (the report as JSON) too unless `show_reports` is False. Old reports are removed first, so
     every report present belongs to this warm-up. Returns the result, also written to

@@ -7,7 +7,7 @@ executor) keeps train.py's progress on this terminal, Ctrl-C reaching it, and it
 the stage's verdict. pipeline.json is written as for a submission, with job_id null.
 
 With cluster.warmup on, the kernel-cache warm-up runs first, as the Slurm warm-up job would:
-`python -m trainer.kernels <stage argv>` per warmed stage (launcher.job.run_warmups), reports
+`python -m trainer.warmup <stage argv>` per warmed stage (launcher.job.run_warmups), reports
 in <root>/warmup/; a failed warm-up stops the run before any stage starts.
 """
 

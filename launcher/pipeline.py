@@ -65,7 +65,7 @@ CLUSTER_DEFAULTS: dict[str, Any] = {
     "env": {},
     "sbatch_extra": {},
     # The kernel-cache warm-up (docs/kernels.md): one 1-node, 1-task job before the first stage
-    # that runs `python -m trainer.kernels` for each stage about to launch. `warmup` is per
+    # that runs `python -m trainer.warmup` for each stage about to launch. `warmup` is per
     # stage like any cluster key (a stage's `resources: {warmup: false}` skips its warm-up);
     # `warmup_time` is the warm-up job's time limit and belongs to the cluster section only.
     "warmup": False,
@@ -149,7 +149,7 @@ class StageSpec:
 
 @dataclasses.dataclass(frozen=True)
 class WarmupRun:
-    """One `python -m trainer.kernels <argv>` of the warm-up job: a stage's exact train.py argv."""
+    """One `python -m trainer.warmup <argv>` of the warm-up job: a stage's exact train.py argv."""
 
     stage: str
     argv: tuple[str, ...]
@@ -262,7 +262,7 @@ def render_train_argv(config: str, overrides: Mapping[str, Any]) -> list[str]:
     `--key=value` (not two tokens) so a value starting with "-" is never read as an option.
     Unknown keys are passed through; train.py (and validation) reject them.
     """
-    from trainer.args import ARGS, LEGACY_KEYS
+    from trainer.schema import ARGS, LEGACY_KEYS
 
     argv = ["--config", str(config)]
     for key, value in overrides.items():
@@ -524,7 +524,8 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
     Returns the Pipeline (selected stages only in `stages`). Raises PipelineError listing every
     problem, each prefixed with its stage.
     """
-    from trainer.args import ConfigError, resolve_config
+    from trainer.args import resolve_config
+    from trainer.schema import ConfigError
 
     base = Path(cwd).resolve() if cwd else Path.cwd()
     path = Path(path)
@@ -615,7 +616,7 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
     warmup = None
     if not problems and cluster_resources is not None:
         warmup = plan_warmup(data["name"], root_dir, specs, cluster_resources, output_dirs,
-                             problems, notes)
+                             problems)
     if problems:
         raise PipelineError(problems)
     return Pipeline(path=str(path.resolve() if path.is_absolute() else (base / path).resolve()),
@@ -624,12 +625,11 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
 
 
 def plan_warmup(name: str, root: str, specs: list[StageSpec], cluster: Resources,
-                output_dirs: dict[str, str], problems: list[str],
-                notes: list[str]) -> WarmupSpec | None:
+                output_dirs: dict[str, str], problems: list[str]) -> WarmupSpec | None:
     """The warm-up job of this launch, or None (warm-up off, or nothing to warm).
 
-    Warms every launched stage whose resources say `warmup` and whose objective has a warm-up
-    loss (trainer.kernels.STAGE_LOSSES; the others get a note). The job has one node and one
+    Warms every launched stage whose resources say `warmup` (every objective has a warm-up
+    loss in trainer.warmup). The job has one node and one
     task (one GPU when a warmed stage uses GPUs) with the cluster section's partition, account,
     qos, constraint, env, network and sbatch_extra. Appends to `problems` when <root>/warmup
     would collide with a stage.
@@ -637,8 +637,6 @@ def plan_warmup(name: str, root: str, specs: list[StageSpec], cluster: Resources
     wanted = [s for s in specs if s.resources.warmup]
     if not wanted:
         return None
-    from trainer.kernels import STAGE_LOSSES
-
     directory = str(Path(root) / WARMUP_DIR)
     before = len(problems)
     if WARMUP_NAME in output_dirs:
@@ -650,20 +648,9 @@ def plan_warmup(name: str, root: str, specs: list[StageSpec], cluster: Resources
                             f"{directory} overlap; move the stage's output_dir.")
     if len(problems) > before:
         return None
-    runs = []
-    for spec in wanted:
-        if spec.args.stage not in STAGE_LOSSES:
-            notes.append(f"stage {spec.name}: no kernel warm-up for its objective "
-                         f"`{spec.args.stage}` (only {', '.join(sorted(STAGE_LOSSES))}); its "
-                         f"kernels compile in its first step.")
-            continue
-        runs.append(WarmupRun(stage=spec.name, argv=spec.train_argv,
-                              report=str(Path(directory) / f"{spec.name}.json")))
-    if not runs:
-        notes.append("warm-up: no launched stage has a kernel warm-up, so no warm-up job runs.")
-        return None
-    gpus = 1 if any(s.resources.gpus_per_node for s in wanted
-                    if s.name in {r.stage for r in runs}) else 0
+    runs = [WarmupRun(stage=spec.name, argv=spec.train_argv,
+                      report=str(Path(directory) / f"{spec.name}.json")) for spec in wanted]
+    gpus = 1 if any(s.resources.gpus_per_node for s in wanted) else 0
     resources = dataclasses.replace(
         cluster, nodes=1, gpus_per_node=gpus, tasks_per_node=1, time_min=cluster.warmup_time_min,
         signal_lead_s=WARMUP_SIGNAL_LEAD_S)
@@ -673,7 +660,7 @@ def plan_warmup(name: str, root: str, specs: list[StageSpec], cluster: Resources
 
 def _absolute_path_overrides(overrides: dict[str, Any], args) -> dict[str, Any]:
     """Path overrides as the absolute paths train.py resolved them to (cwd-independent argv)."""
-    from trainer.args import ARGS
+    from trainer.schema import ARGS
 
     out = {}
     for key, value in overrides.items():
@@ -686,7 +673,8 @@ def _absolute_path_overrides(overrides: dict[str, Any], args) -> dict[str, Any]:
 
 def _check_argv_round_trip(where: str, config: str, argv: list[str], args, base: Path) -> list[str]:
     """The job passes `argv` to train.py: it must resolve to what was validated."""
-    from trainer.args import ConfigError, resolve_config
+    from trainer.args import resolve_config
+    from trainer.schema import ConfigError
 
     try:
         with warnings.catch_warnings():
@@ -704,7 +692,7 @@ def _check_argv_round_trip(where: str, config: str, argv: list[str], args, base:
 
 def weight_path_keys(args) -> list[str]:
     """train.py keys that name weights to start from: every path key except output_dir."""
-    from trainer.args import ARGS
+    from trainer.schema import ARGS
 
     return [k for k, a in ARGS.items() if a.kind == "path" and k != "output_dir"
             and args.get(k) is not None]
@@ -734,7 +722,7 @@ def check_weight_sources(spec: StageSpec, launched: list[StageSpec], output_dirs
     stage's own output_dir already has checkpoints (it will resume, not warm start).
     """
     from trainer.checkpoint_layout import CheckpointError
-    from trainer.warm_start import resolve_weights_source
+    from trainer.weights_source import resolve_weights_source
 
     if has_complete_checkpoint(spec.output_dir):
         notes.append(f"stage {spec.name}: {spec.output_dir} already holds checkpoints, so the job "

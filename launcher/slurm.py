@@ -9,7 +9,7 @@ the rest instead of leaving them pending forever. `--requeue` + `--open-mode=app
 preempted job requeue itself and keep one log.
 
 With `cluster.warmup` on, one more job goes first: the kernel-cache warm-up
-(launcher.job.WarmupJob), one node and one task, that runs `python -m trainer.kernels` for each
+(launcher.job.WarmupJob), one node and one task, that runs `python -m trainer.warmup` for each
 stage about to launch; the first stage waits for it (afterok, kill-on-invalid-dep), so a failed
 warm-up stops the chain before 240 nodes start.
 
@@ -153,7 +153,7 @@ def render_warmup_setup(warmup: WarmupSpec, *, repo_root: str | Path = REPO_ROOT
     No RELAY_OUTPUT_DIR: the warm-up writes into no stage's output_dir.
     """
     r = warmup.resources
-    comments = [f"# warm-up {run.stage}: trainer.kernels "
+    comments = [f"# warm-up {run.stage}: trainer.warmup "
                 + json.dumps(list(run.argv), ensure_ascii=True) for run in warmup.runs]
     exports = {"RELAY_NETWORK": r.network, "RELAY_STAGE": "warmup", **r.env}
     return _setup_lines(comments, exports, repo_root)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher import environment
+from trainer import environment
 from launcher.cli import main as relay_main
-from launcher.environment import (CACHE_VARS, format_probe, inspect_cache_dir, inspect_caches,
+from trainer.environment import (CACHE_VARS, format_probe, inspect_cache_dir, inspect_caches,
                                   probe_environment)
 
 

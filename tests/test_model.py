@@ -349,7 +349,7 @@ def _saved_bytes_and_grads(model, x, t, text):
 def test_gradient_checkpointing_gives_the_same_gradients_from_fewer_saved_activations():
     from types import SimpleNamespace
 
-    from trainer.stages import prepare_for_training
+    from trainer.build import prepare_for_training
 
     plain = tiny(num_layers=3).train()
     checkpointed = prepare_for_training(

@@ -403,19 +403,6 @@ def test_warmup_directory_may_not_collide_with_a_stage(tmp_path):
                for p in problems_of(write_pipeline(tmp_path, data)))
 
 
-def test_a_launch_without_a_warmable_stage_has_no_warmup_job(tmp_path, monkeypatch):
-    from trainer import kernels
-
-    # Every objective has a warm-up today; a new one might not yet.
-    monkeypatch.delitem(kernels.STAGE_LOSSES, "dmd_sgf")
-    data = four_stages(tmp_path)
-    data["cluster"]["warmup"] = True
-    pipeline = validate_pipeline(write_pipeline(tmp_path, data), cwd=tmp_path, only="stage2",
-                                 check_paths=False)
-    assert pipeline.warmup is None
-    assert any("no launched stage has a kernel warm-up" in n for n in pipeline.notes)
-
-
 class FakeSubmit:
     """submit_stage / submit_warmup without Slurm: job ids 100, 101, ... and the dependency each
     submission asked for."""
@@ -566,10 +553,10 @@ def test_status_of_a_warmup_in_progress_and_of_a_local_one(tmp_path, monkeypatch
 # -- running the warm-up (the job's loop, and relay run) --------------------------------------
 
 FAKE_PYTHON = """#!/bin/sh
-# Stands in for python: `-u -m trainer.kernels ...` writes a report; `-m trainer.train` succeeds.
+# Stands in for python: `-u -m trainer.warmup ...` writes a report; `-m trainer.train` succeeds.
 echo "$*" >> "$RELAY_TEST_CALLS"
 case "$*" in
-*trainer.kernels*)
+*trainer.warmup*)
     case "$RELAY_WARMUP_REPORT" in
     *"/$RELAY_TEST_FAIL.json")
         printf '{"status": "failed", "error": "OutOfMemoryError: out of memory"}' > "$RELAY_WARMUP_REPORT"
@@ -612,7 +599,7 @@ def test_warmup_job_runs_trainer_kernels_per_stage_and_stops_at_the_first_failur
     monkeypatch.setenv("RELAY_TEST_FAIL", "pretrain")
     with pytest.raises(WarmupFailed, match="stage pretrain failed .*out of memory"):
         job()
-    assert len(calls()) == 1 and calls()[0].startswith("-u -m trainer.kernels --config ")
+    assert len(calls()) == 1 and calls()[0].startswith("-u -m trainer.warmup --config ")
     assert calls()[0].endswith(" ".join(pipeline.stages[0].train_argv[2:]))
     assert not stale.exists()
     result = json.loads((tmp_path / "runs/warmup/warmup-result.json").read_text())
@@ -633,7 +620,7 @@ def test_relay_run_warms_up_first_and_a_failure_runs_no_stage(tmp_path, monkeypa
     said: list[str] = []
     monkeypatch.setenv("RELAY_TEST_FAIL", "sft")
     assert run_pipeline_locally(pipeline, python=python, echo=said.append) == 1
-    assert [c.split()[2] for c in calls()] == ["trainer.kernels", "trainer.kernels"]
+    assert [c.split()[2] for c in calls()] == ["trainer.warmup", "trainer.warmup"]
     assert any("kernel warm-up of stage sft failed" in m and "No stage was run" in m for m in said)
     record = read_record(pipeline.root)
     assert record["warmup"]["launched"] == "local" and record["warmup"]["job_id"] is None
@@ -643,12 +630,12 @@ def test_relay_run_warms_up_first_and_a_failure_runs_no_stage(tmp_path, monkeypa
     (tmp_path / "calls.txt").unlink()
     assert run_pipeline_locally(pipeline, python=python, echo=said.append) == 0
     assert [c.split()[1 if c.startswith("-m") else 2] for c in calls()] == [
-        "trainer.kernels", "trainer.kernels", "trainer.train", "trainer.train"]
+        "trainer.warmup", "trainer.warmup", "trainer.train", "trainer.train"]
     assert f"  sft: {pipeline.warmup.runs[1].report}" in said
 
 
 def test_the_report_variable_is_the_one_trainer_kernels_reads():
     from launcher.job import WARMUP_REPORT_ENV
-    from trainer.kernels import REPORT_ENV
+    from trainer.warmup import REPORT_ENV
 
     assert WARMUP_REPORT_ENV == REPORT_ENV

@@ -127,7 +127,7 @@ def test_a_non_finite_loss_raises_before_the_optimizer_step_changes_any_weight(
 
     from trainer.args import resolve_args
     from trainer.distributed import Topology
-    from trainer.stages import build_stage
+    from trainer.build import build_stage
     from trainer.stages.base import NonFiniteError
 
     tiny_trainer.reference()  # generates the shared data

@@ -71,12 +71,13 @@ from trainer.checkpoint_layout import (
     write_durably,
 )
 from trainer.dcp_io import (
-    distributed_active,
     iter_tensor_leaves,
     load_dcp_in_place,
     read_dcp_tensor_shapes,
     save_dcp,
 )
+from trainer.distributed import (all_gather_objects, broadcast_from_rank0, distributed_active,
+                                 rank_in)
 from trainer.rng import capture_rng_state, restore_rng_state
 from trainer.warm_start import export_weights, load_warm_start
 
@@ -168,29 +169,6 @@ def _check_names(kind: str, names: Any) -> None:
 # --------------------------------------------------------------------------------------------
 # Collectives (all no-ops in one process)
 # --------------------------------------------------------------------------------------------
-
-
-def _rank(group: dist.ProcessGroup | None) -> int:
-    return dist.get_rank(group) if distributed_active() else 0
-
-
-def _broadcast_from_rank0(obj: Any, group: dist.ProcessGroup | None) -> Any:
-    if not distributed_active():
-        return obj
-    box = [obj]
-    if group is None:
-        dist.broadcast_object_list(box, src=0)
-    else:
-        dist.broadcast_object_list(box, group=group, group_src=0)
-    return box[0]
-
-
-def _all_gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
-    if not distributed_active():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
 
 
 def _describe(exc: BaseException) -> str:
@@ -315,9 +293,9 @@ def _existing_checkpoint_matches(job: _SaveJob) -> bool:
 
 def _should_skip(job: _SaveJob) -> bool:
     """Collective: every rank learns whether rank 0 found this step already saved."""
-    skip = _existing_checkpoint_matches(job) if _rank(job.process_group) == 0 else None
-    skip = bool(_broadcast_from_rank0(skip, job.process_group))
-    if skip and _rank(job.process_group) == 0:
+    skip = _existing_checkpoint_matches(job) if rank_in(job.process_group) == 0 else None
+    skip = bool(broadcast_from_rank0(skip, job.process_group))
+    if skip and rank_in(job.process_group) == 0:
         # The usual case: the final save lands on the step of the last interval save.
         log.info("checkpoint-%d already exists and is complete; not saving it again", job.step)
     return skip
@@ -336,10 +314,10 @@ def _run_phase(job: _SaveJob, what: str, action: Callable[[], None] | None) -> N
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             local_error = _describe(exc)
             log.error("checkpoint-%d: could not %s: %s", job.step, what, local_error)
-    gathered = _all_gather(local_error, job.process_group)
+    gathered = all_gather_objects(local_error, job.process_group)
     errors = [f"rank {rank}: {err}" for rank, err in enumerate(gathered) if err]
     if errors:
-        if _rank(job.process_group) == 0:
+        if rank_in(job.process_group) == 0:
             shutil.rmtree(job.output_dir / f"checkpoint-{job.step}.tmp", ignore_errors=True)
         raise CheckpointError(
             f"checkpoint-{job.step} was not saved (could not {what}): {'; '.join(errors)}. "
@@ -350,7 +328,7 @@ def _run_phase(job: _SaveJob, what: str, action: Callable[[], None] | None) -> N
 def _write_and_commit(job: _SaveJob) -> Path:
     """Write every file of `job` into checkpoint-<step>.tmp, then publish it. All ranks call this."""
     group = job.process_group
-    is_rank0 = _rank(group) == 0
+    is_rank0 = rank_in(group) == 0
     tmp = job.output_dir / f"checkpoint-{job.step}.tmp"
     final = checkpoint_dir(job.output_dir, job.step)
 
@@ -737,7 +715,7 @@ def _raise_if_any_rank_failed(local: Exception | None, group: dist.ProcessGroup 
             raise local
         return
     kind = None if local is None else ("incompatible" if isinstance(local, CheckpointIncompatibleError) else "failed")
-    outcomes = _all_gather(None if local is None else (kind, _describe(local)), group)
+    outcomes = all_gather_objects(None if local is None else (kind, _describe(local)), group)
     failures = [(rank, o) for rank, o in enumerate(outcomes) if o is not None]
     if not failures:
         return
@@ -798,7 +776,7 @@ def find_resume_checkpoint(
     this run's configuration does not fit the checkpoint.
     """
     output_dir = Path(output_dir)
-    is_rank0 = _rank(process_group) == 0
+    is_rank0 = rank_in(process_group) == 0
     skip: set[Path] = set()  # rank 0: failed checkpoints that could not be renamed
     first = True
     while True:
@@ -806,7 +784,7 @@ def find_resume_checkpoint(
         if is_rank0:
             choice = _choose_candidate(output_dir, skip, report=first)
         first = False
-        path_str, refusal = _broadcast_from_rank0(choice, process_group)
+        path_str, refusal = broadcast_from_rank0(choice, process_group)
         if refusal is not None:
             raise CheckpointError(refusal)
         if path_str is None:
@@ -819,8 +797,8 @@ def find_resume_checkpoint(
             outcome = ("incompatible", str(exc))
         except Exception as exc:  # noqa: BLE001 - any load failure means: try the previous one
             outcome = ("failed", _describe(exc))
-            log.warning("rank %d could not load %s: %s", _rank(process_group), path, outcome[1])
-        failures = [(rank, o) for rank, o in enumerate(_all_gather(outcome, process_group)) if o is not None]
+            log.warning("rank %d could not load %s: %s", rank_in(process_group), path, outcome[1])
+        failures = [(rank, o) for rank, o in enumerate(all_gather_objects(outcome, process_group)) if o is not None]
         if not failures:
             if is_rank0:
                 log.info("resuming from %s", path)

@@ -87,6 +87,20 @@ def resolve_data_paths(data_path) -> list[tuple[Path, int]]:
     return shards
 
 
+def first_latent_shape(data_path) -> tuple[int, int, int, int]:
+    """[C, T, H, W] of the first sample of the first shard, reading only its shape column.
+
+    A production data_path holds terabytes; the dataset refuses mixed latent shapes, so the first
+    row's shape is the run's. Raises FileNotFoundError / ValueError as resolve_data_paths does,
+    or when the shard has no rows.
+    """
+    shard = resolve_data_paths(data_path)[0][0]
+    table = pq.ParquetFile(shard).read_row_group(0, columns=["vae_latent_shape"])
+    if table.num_rows == 0:
+        raise ValueError(f"{shard} holds no rows")
+    return tuple(int(s) for s in table.column("vae_latent_shape")[0].as_py())
+
+
 def decode_tensor(data: bytes, shape, dtype: str) -> torch.Tensor:
     """A tensor from the contract's (bytes, shape, dtype) triple; a copy, safe to modify.
 

@@ -28,7 +28,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-METADATA_FILE = ".metadata"
+from trainer.checkpoint_layout import METADATA_FILE
+from trainer.distributed import distributed_active
 
 # DCP warns on every single-process save/load; here that is deliberate (one process, a tool, a
 # test), so the warning only teaches users to ignore warnings.
@@ -126,11 +127,6 @@ def read_dcp_tensor_shapes(dcp_dir: str | os.PathLike) -> dict[str, tuple[torch.
         for key, entry in metadata.state_dict_metadata.items()
         if isinstance(entry, TensorStorageMetadata)
     }
-
-
-def distributed_active() -> bool:
-    """True when a process group is initialised, so DCP must run as a collective."""
-    return dist.is_available() and dist.is_initialized()
 
 
 class DCPError(RuntimeError):

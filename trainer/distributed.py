@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -85,32 +86,107 @@ def init_distributed(cp_size: int, backend: str = "auto") -> Topology:
                     device=device)
 
 
+def wrap_for_training(model: torch.nn.Module, topo: Topology) -> torch.nn.Module:
+    """Data parallel when there is more than one rank (FSDP2 comes with sharding)."""
+    if not topo.distributed:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [topo.device.index] if topo.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives: every one relay calls lives here, and each is a no-op in one process.
+# ---------------------------------------------------------------------------------------------
+
+def distributed_active() -> bool:
+    """True when a process group is initialised (collectives must then run on every rank)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def _collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device a small tensor must live on for a collective of `group`'s backend."""
+    backend = str(dist.get_backend(group)).lower()
+    # "gloo", or a mixed "cpu:gloo,cuda:nccl" backend, can reduce a CPU tensor.
+    if "gloo" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if distributed_active():
         dist.barrier()
 
 
-def all_reduce_max(value: float) -> float:
-    """The maximum of a scalar over all ranks (the scalar itself in one process)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    tensor = torch.tensor([float(value)], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        tensor = tensor.cuda()
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return float(tensor.item())
+def rank_in(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_rank(group) if distributed_active() else 0
 
 
-def all_reduce_mean(value: float) -> float:
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    tensor = torch.tensor([float(value)], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        tensor = tensor.cuda()
+def any_rank(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """True on every rank if `flag` is True on any rank (an all-reduce MAX).
+
+    A preemption signal may reach one node only: every rank must still stop at the same step,
+    or the ones that go on hang in the next collective. Call it at the same point everywhere.
+    """
+    if not distributed_active():
+        return bool(flag)
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_collective_device(group))
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
+def sum_across_ranks(values: list[float]) -> list[float]:
+    """Element-wise sum over all ranks (the values themselves in one process)."""
+    if not distributed_active() or dist.get_world_size() == 1:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=_collective_device())
     dist.all_reduce(tensor)
-    return float(tensor.item()) / dist.get_world_size()
+    return tensor.cpu().tolist()
+
+
+def gather_across_ranks(values: torch.Tensor) -> torch.Tensor:
+    """The concatenation over ranks of a detached 1-D tensor (itself in one process)."""
+    values = values.detach()
+    if not distributed_active() or dist.get_world_size() == 1:
+        return values
+    work = values.to(_collective_device())
+    parts = [torch.empty_like(work) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, work)
+    return torch.cat(parts).to(values.device)
+
+
+def average_gradients(model: torch.nn.Module, world: int) -> None:
+    """Mean of the gradients over `world` data-parallel ranks, for modules not wrapped in DDP."""
+    if world <= 1 or not distributed_active():
+        return
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+
+
+def broadcast_from_rank0(obj: Any, group: dist.ProcessGroup | None = None) -> Any:
+    """Rank 0's `obj` (of `group`) on every rank."""
+    if not distributed_active():
+        return obj
+    box = [obj]
+    if group is None:
+        dist.broadcast_object_list(box, src=0)
+    else:
+        dist.broadcast_object_list(box, group=group, group_src=0)
+    return box[0]
+
+
+def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's `obj`, in rank order ([obj] in one process)."""
+    if not distributed_active():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def destroy() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if distributed_active():
         dist.destroy_process_group()

@@ -357,3 +357,28 @@ def flow_matching_loss(
             raise ValueError(f"weight must have shape ({batch},), got {tuple(weight.shape)}")
         loss = (weight.to(per_sample) * per_sample).mean()
     return loss, per_sample
+
+
+# ---- classifier-free guidance ----------------------------------------------------------
+
+def guided(model_fn, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor, mask: torch.Tensor,
+           null_text: torch.Tensor, null_mask: torch.Tensor, guidance: float, **kw) -> torch.Tensor:
+    """The guided prediction u + w (c - u), with both branches in one batched forward."""
+    if guidance == 1.0:
+        return model_fn(x, t, text, mask, **kw)
+    b = x.shape[0]
+    null_text = null_text.to(text).expand(b, -1, -1)
+    null_mask = null_mask.to(mask.device).expand(b, -1)
+    length = max(text.shape[1], null_text.shape[1])
+    texts = torch.cat([_pad(text, length), _pad(null_text, length)])
+    masks = torch.cat([_pad(mask, length), _pad(null_mask, length)])
+    kw2 = {k: torch.cat([v, v]) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    cond, uncond = model_fn(torch.cat([x, x]), torch.cat([t, t]), texts, masks, **kw2).chunk(2)
+    return uncond + guidance * (cond - uncond)
+
+
+def _pad(x: torch.Tensor, length: int) -> torch.Tensor:
+    if x.shape[1] == length:
+        return x
+    pad = x.new_zeros((x.shape[0], length - x.shape[1], *x.shape[2:]))
+    return torch.cat([x, pad], dim=1)

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from trainer import checkpoint as ckpt
+from trainer.checkpoint_layout import CheckpointError, list_checkpoints
+from trainer.warm_start import export_weights, load_warm_start
 from trainer.schema import ResolvedArgs, model_config
 
 
@@ -50,7 +51,7 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
                              f"output_dir.")
     if (path / "COMPLETE").is_file():
         return path
-    found = ckpt.list_checkpoints(path)
+    found = list_checkpoints(path)
     if not found:
         raise InferenceError(f"{path} holds no complete checkpoint (checkpoint-N/ with a "
                              f"COMPLETE marker). Train longer or point at another run.")
@@ -73,7 +74,7 @@ def _members(checkpoint: Path) -> list[str]:
 def load_model_for_inference(path: str | Path, weights: str = "auto",
                              device: torch.device | str = "cpu") -> LoadedModel:
     """Rebuild and load the model of a checkpoint. weights: auto (EMA if saved), ema, live."""
-    from trainer.stages import build_model, build_text_encoder
+    from trainer.build import build_model, build_text_encoder
 
     checkpoint = resolve_checkpoint_dir(path)
     args = _checkpoint_args(checkpoint)
@@ -87,8 +88,8 @@ def load_model_for_inference(path: str | Path, weights: str = "auto",
     # Multi-role checkpoints keep the sampled model's live weights under its role name.
     member = INFERENCE_MEMBER.get(args.get("stage", "fm")) if weights == "live" else None
     try:
-        ckpt.load_warm_start(checkpoint, model, weights=weights, member=member)
-    except ckpt.CheckpointError as exc:
+        load_warm_start(checkpoint, model, weights=weights, member=member)
+    except CheckpointError as exc:
         raise InferenceError(str(exc)) from None
     model.eval()
     return LoadedModel(model=model, args=args, text_encoder=build_text_encoder(args),
@@ -97,17 +98,13 @@ def load_model_for_inference(path: str | Path, weights: str = "auto",
 
 
 def _latent_shape(args: ResolvedArgs) -> tuple[int, int, int, int]:
-    channels = model_config(args)["in_channels"]
-    if args.synthetic_data:
-        return (channels, args.synthetic_num_frames, args.synthetic_height, args.synthetic_width)
-    from trainer.data import ParquetLatentDataset, resolve_data_paths
+    from trainer.build import sample_latent_shape
 
     try:
-        shape = ParquetLatentDataset(resolve_data_paths(args.data_path)).latent_shape
+        return sample_latent_shape(args)
     except Exception as exc:  # the training data may live on another machine
         raise InferenceError(f"cannot read the latent shape from the training data "
                              f"{args.data_path}: {exc}") from None
-    return tuple(int(s) for s in shape)
 
 
 def generate(loaded: LoadedModel, prompts: list[str], *, steps: int | None,
@@ -117,8 +114,7 @@ def generate(loaded: LoadedModel, prompts: list[str], *, steps: int | None,
 
     steps / guidance None: the stage's own settings (those its validation uses).
     """
-    from trainer.sampling import sampler_for
-    from trainer.validation import sampler_settings, sampling_shift
+    from trainer.sampling import sampler_for, sampler_settings, sampling_shift
 
     default_steps, default_guidance = sampler_settings(loaded.args)
     steps = default_steps if steps is None else steps
@@ -135,43 +131,6 @@ def generate(loaded: LoadedModel, prompts: list[str], *, steps: int | None,
                    null_mask.to(device), shape=shape, steps=steps, guidance=guidance,
                    shift=sampling_shift(loaded.args), generator=generator,
                    first_frame=first_frame)
-
-
-# ---- files a user looks at ----------------------------------------------------------------
-
-def _upscale(frames: np.ndarray, min_side: int = 128) -> np.ndarray:
-    factor = max(1, min_side // max(1, min(frames.shape[1:3])))
-    return frames.repeat(factor, axis=1).repeat(factor, axis=2)
-
-
-def write_clip_files(frames: np.ndarray, out_dir: Path, fps: float = 8.0) -> dict[str, Path]:
-    """Write sample.mp4 (or sample.gif), frames.png (contact sheet) and frames.npy."""
-    from PIL import Image
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"frames": out_dir / "frames.npy"}
-    np.save(paths["frames"], frames)
-    big = _upscale(frames)
-    sheet = np.concatenate(list(big), axis=1)
-    paths["contact_sheet"] = out_dir / "frames.png"
-    Image.fromarray(sheet).save(paths["contact_sheet"])
-    try:
-        import imageio.v2 as imageio
-
-        video = out_dir / "sample.mp4"
-        imageio.mimwrite(video, list(_even(big)), fps=fps, macro_block_size=1)
-    except Exception:  # no ffmpeg here: a GIF needs nothing beyond Pillow
-        video = out_dir / "sample.gif"
-        images = [Image.fromarray(f) for f in big]
-        images[0].save(video, save_all=True, append_images=images[1:],
-                       duration=int(1000 / fps), loop=0)
-    paths["video"] = video
-    return paths
-
-
-def _even(frames: np.ndarray) -> np.ndarray:
-    h, w = frames.shape[1] // 2 * 2, frames.shape[2] // 2 * 2
-    return frames[:, :h, :w]
 
 
 def _load_first_frame(path: str, loaded: LoadedModel) -> torch.Tensor:
@@ -191,6 +150,7 @@ def sample_to_dir(checkpoint: str, prompt: str, *, out_dir: str, steps: int | No
                   seed: int, weights: str = "auto", first_frame: str | None = None) -> dict:
     """`relay sample`: one clip for one prompt, written as video, contact sheet and frames."""
     from trainer.evaluate import latents_to_frames
+    from trainer.media import write_clip_files
 
     loaded = load_model_for_inference(checkpoint, weights)
     cond = _load_first_frame(first_frame, loaded) if first_frame else None
@@ -204,7 +164,7 @@ def evaluate_loaded(loaded: LoadedModel, *, steps: int | None, guidance: float |
                     seed: int, captions=None) -> dict:
     """Sample the fixed caption set and score colour and direction from the pixels."""
     from trainer.evaluate import EVAL_CAPTIONS, latents_to_frames, score_clips
-    from trainer.validation import sampler_settings
+    from trainer.sampling import sampler_settings
 
     default_steps, default_guidance = sampler_settings(loaded.args)
     steps = default_steps if steps is None else steps
@@ -237,5 +197,5 @@ def export_checkpoint(path: str, out: str, weights: str = "auto") -> Path:
     members = _members(checkpoint)
     if weights == "auto":
         weights = "ema" if "ema" in members else "live"
-    return ckpt.export_weights(checkpoint, out, weights=weights,
+    return export_weights(checkpoint, out, weights=weights,
                                model_config=model_config(args))

@@ -196,7 +196,7 @@ class DiTBlock(nn.Module):
         The video's key prefix is past_kv (cached [text | committed chunks]) when given, else
         this call's text K/V. The model calls blocks only through here, so FSDP2 and activation
         checkpointing, which hook `forward`, see every call; the two stream methods stay
-        separately compilable (trainer/kernels.py). Returns BlockOutput; streams not given (and
+        separately compilable (trainer/warmup.py). Returns BlockOutput; streams not given (and
         the text output when need_text_output is False) come back as None.
         Raises ValueError when video is given without any prefix.
         """
@@ -584,3 +584,25 @@ class VideoDiT(nn.Module):
         if window is not None:
             del cache.chunks[: max(0, len(cache.chunks) - window)]
         cache.next_frame = frame_start + x_chunk_clean.shape[2]
+
+
+def compile_transformer_blocks(model: torch.nn.Module) -> torch.nn.Module:
+    """torch.compile each transformer block's two streams in place; returns the same model.
+
+    Training must compile through this same function when compile_transformer is set: the
+    Inductor/Triton cache keys include the traced graphs and the Inductor config, so a warm-up
+    that compiled differently would warm nothing. Blocks share their compiled graphs (the
+    module is an input, not a constant), so a deep model compiles three graphs, not three per
+    layer.
+    """
+    import torch._inductor.config as inductor_config
+
+    # ARCHITECTURE.md, known pitfalls: torch 2.11's Inductor computed wrong gradients for
+    # per-block adaLN tables with this reduction fusion on (pytorch#193061). Off for both the
+    # warm-up and training, so their cache keys agree.
+    if hasattr(inductor_config.triton, "mix_order_reduction"):
+        inductor_config.triton.mix_order_reduction = False
+    for block in model.blocks:
+        block.forward_text = torch.compile(block.forward_text)
+        block.forward_video = torch.compile(block.forward_video)
+    return model

@@ -5,7 +5,7 @@ allocation (`--signal=USR2@<lead>`) and SIGTERM when it cancels or preempts. The
 records that a signal arrived: doing real work inside a signal handler (saving, logging,
 collectives) can interrupt the main thread in the middle of a write or a collective and deadlock
 or corrupt state. The loop polls `requested`, agrees with every rank through
-`preemption_requested_anywhere`, saves a checkpoint at the step boundary and exits with
+`trainer.distributed.any_rank`, saves a checkpoint at the step boundary and exits with
 `PREEMPTED_EXIT_CODE` so the launcher requeues the job.
 """
 
@@ -16,8 +16,6 @@ import time
 from types import FrameType
 from typing import Any, Iterable
 
-import torch
-import torch.distributed as dist
 
 # sysexits.h EX_TEMPFAIL: "temporary failure, the user is invited to retry". Deliberately not
 # 143 (128 + SIGTERM): that is also what a rank killed by SIGTERM *without* saving returns, so the
@@ -93,30 +91,6 @@ class PreemptionHandler:
         self.uninstall()
 
 
-def preemption_requested_anywhere(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
-    """Return True on every rank if `flag` is True on any rank (an all-reduce MAX).
-
-    Only one node may receive the signal (Slurm delivers to the batch step, torchrun forwards to
-    its own workers): every rank must still stop at the same step, or the ones that go on hang
-    in the next collective. Without an initialised process group this is just `flag`. Call it
-    at the same point of the loop on every rank.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        return bool(flag)
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_collective_device(group))
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return bool(value.item())
-
-
-def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    """The device a small tensor must live on for a collective of `group`'s backend."""
-    backend = str(dist.get_backend(group)).lower()
-    # "gloo", or a mixed "cpu:gloo,cuda:nccl" backend, can reduce a CPU tensor.
-    if "gloo" in backend or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def _resolve_signal(sig: str | int) -> signal.Signals:
     if isinstance(sig, str):
         name = sig.upper()
@@ -133,5 +107,4 @@ __all__ = [
     "DEFAULT_SIGNALS",
     "PREEMPTED_EXIT_CODE",
     "PreemptionHandler",
-    "preemption_requested_anywhere",
 ]

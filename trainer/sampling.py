@@ -17,29 +17,6 @@ from torch import nn
 from trainer import flow
 
 
-def guided(model_fn, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor, mask: torch.Tensor,
-           null_text: torch.Tensor, null_mask: torch.Tensor, guidance: float, **kw) -> torch.Tensor:
-    """The guided prediction u + w (c - u), with both branches in one batched forward."""
-    if guidance == 1.0:
-        return model_fn(x, t, text, mask, **kw)
-    b = x.shape[0]
-    null_text = null_text.to(text).expand(b, -1, -1)
-    null_mask = null_mask.to(mask.device).expand(b, -1)
-    length = max(text.shape[1], null_text.shape[1])
-    texts = torch.cat([_pad(text, length), _pad(null_text, length)])
-    masks = torch.cat([_pad(mask, length), _pad(null_mask, length)])
-    kw2 = {k: torch.cat([v, v]) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
-    cond, uncond = model_fn(torch.cat([x, x]), torch.cat([t, t]), texts, masks, **kw2).chunk(2)
-    return uncond + guidance * (cond - uncond)
-
-
-def _pad(x: torch.Tensor, length: int) -> torch.Tensor:
-    if x.shape[1] == length:
-        return x
-    pad = x.new_zeros((x.shape[0], length - x.shape[1], *x.shape[2:]))
-    return torch.cat([x, pad], dim=1)
-
-
 @torch.no_grad()
 def sample_fm(model: nn.Module, text: torch.Tensor, text_mask: torch.Tensor,
               null_text: torch.Tensor, null_mask: torch.Tensor, *, shape: tuple[int, ...],
@@ -62,7 +39,7 @@ def sample_fm(model: nn.Module, text: torch.Tensor, text_mask: torch.Tensor,
     for s, s_next in zip(sigmas[:-1], sigmas[1:]):
         t = torch.full((b, frames), s * flow.NUM_TRAIN_TIMESTEPS, device=device)
         t[:, :clean] = 0.0
-        v = guided(model, x, t, text, text_mask, null_text, null_mask, guidance)
+        v = flow.guided(model, x, t, text, text_mask, null_text, null_mask, guidance)
         x = x + (s_next - s) * v.float()
         if clean:
             x[:, :, :clean] = first_frame.to(x)
@@ -78,7 +55,25 @@ def sampler_for(stage: str):
 
         return sample_flowmap
     if stage == "dmd_sgf":
-        from trainer.stages.dmd_sgf import sample_student
+        from trainer.stages.rollout import sample_student
 
         return sample_student
     raise ValueError(f"no sampler for stage {stage!r}")
+
+
+def sampler_settings(args) -> tuple[int, float]:
+    """(steps, guidance) of the stage's sampler for validation."""
+    if args.stage == "tf_anyflow":
+        fused = args.anyflow_fuse_guidance_scale != 1.0
+        return args.flowmap_sampling_steps, (1.0 if fused else args.validation_guidance)
+    if args.stage == "dmd_sgf":
+        return len(args.dmd_denoising_steps), 1.0
+    return args.validation_steps, args.validation_guidance
+
+
+def sampling_shift(args) -> float:
+    """The shift of the sampler's timestep grid: the training shift, except for a Stage2
+    student trained on an unwarped step list (its steps are then used as given)."""
+    if args.stage == "dmd_sgf" and not args.warp_denoising_step:
+        return 1.0
+    return args.train_timestep_shift

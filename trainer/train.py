@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # `python trainer/train.py`: make the repository 
 
 import torch
 
-from launcher.environment import probe_environment
+from trainer.environment import probe_environment
 from trainer import checkpoint as ckpt
 from trainer.args import resolve_args
 from trainer.schema import ConfigError, ResolvedArgs, model_config

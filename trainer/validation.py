@@ -20,7 +20,6 @@ import logging
 import os
 from pathlib import Path
 
-import numpy as np
 import torch
 
 log = logging.getLogger("relay")
@@ -46,29 +45,11 @@ def validation_captions(count: int) -> list[str]:
     return picks
 
 
-def sampler_settings(args) -> tuple[int, float]:
-    """(steps, guidance) of the stage's sampler for validation."""
-    if args.stage == "tf_anyflow":
-        fused = args.anyflow_fuse_guidance_scale != 1.0
-        return args.flowmap_sampling_steps, (1.0 if fused else args.validation_guidance)
-    if args.stage == "dmd_sgf":
-        return len(args.dmd_denoising_steps), 1.0
-    return args.validation_steps, args.validation_guidance
-
-
-def sampling_shift(args) -> float:
-    """The shift of the sampler's timestep grid: the training shift, except for a Stage2
-    student trained on an unwarped step list (its steps are then used as given)."""
-    if args.stage == "dmd_sgf" and not args.warp_denoising_step:
-        return 1.0
-    return args.train_timestep_shift
-
-
 def run_validation(stage, args, step: int, output_dir: Path, latent_shape) -> dict:
     """Sample, score and save; returns metrics {"val/<weights>/colour_accuracy": ...}."""
     from trainer.evaluate import latents_to_frames, score_clips
-    from trainer.inference import write_clip_files
-    from trainer.sampling import sampler_for
+    from trainer.media import write_validation_files
+    from trainer.sampling import sampler_for, sampler_settings, sampling_shift
 
     captions = validation_captions(args.validation_num_captions)
     steps, guidance = sampler_settings(args)
@@ -95,7 +76,7 @@ def run_validation(stage, args, step: int, output_dir: Path, latent_shape) -> di
                                   generator=torch.Generator().manual_seed(args.validation_seed))
             clips = [latents_to_frames(x) for x in latents]
             scores = score_clips(clips, captions)
-            files = _write_files(clips, out / weights)
+            files = write_validation_files(clips, out / weights)
             manifest["weights"][weights] = {
                 "colour_accuracy": scores["colour_accuracy"],
                 "direction_accuracy": scores["direction_accuracy"],
@@ -120,20 +101,3 @@ def _weight_contexts(stage, model, which: str):
         yield "live", contextlib.nullcontext()
     if which in ("ema", "both") and ema is not None:
         yield "ema", ema.swapped_in(model)
-
-
-def _write_files(clips: list[np.ndarray], out: Path) -> dict:
-    from PIL import Image
-
-    from trainer.inference import _upscale, write_clip_files
-
-    out.mkdir(parents=True, exist_ok=True)
-    frames = np.stack(clips)
-    np.save(out / "frames.npy", frames)
-    rows = [np.concatenate(list(_upscale(c, 64)), axis=1) for c in clips]
-    Image.fromarray(np.concatenate(rows, axis=0)).save(out / "grid.png")
-    videos = []
-    for i, clip in enumerate(clips):
-        paths = write_clip_files(clip, out / f"clip-{i:02d}")
-        videos.append(str(paths["video"]))
-    return {"grid": str(out / "grid.png"), "frames": str(out / "frames.npy"), "videos": videos}

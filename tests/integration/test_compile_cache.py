@@ -2,7 +2,7 @@
 entries that training then loads.
 
 Real torch.compile (Inductor's C++ backend on this CPU), real cache directories, two processes as
-on a cluster: `python -m trainer.kernels` first, then `trainer/train.py` with the same cache
+on a cluster: `python -m trainer.warmup` first, then `trainer/train.py` with the same cache
 environment. AOTAutograd's own log says whether each compiled graph was a cache hit: every one
 must be, and none a miss, or the warm-up warmed nothing that training uses. ~1.5 min on 2 cores.
 """
@@ -46,7 +46,7 @@ def test_training_loads_the_compiled_graphs_the_warm_up_left_in_the_cache(tmp_pa
             "--log_interval", "1", "--validation_interval", "-1",
             "--compile_transformer", "true"]
 
-    warm = subprocess.run([sys.executable, "-m", "trainer.kernels", *args], cwd=ROOT, env=env,
+    warm = subprocess.run([sys.executable, "-m", "trainer.warmup", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert warm.returncode == 0, warm.stderr[-3000:]
     report = json.loads(warm.stdout)

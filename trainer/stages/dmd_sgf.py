@@ -20,14 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from trainer import flow
-from trainer.sampling import guided
+from trainer.distributed import average_gradients
 from trainer.stages import rollout as ro
 from trainer.stages.base import Stage, autocast_context, clip_and_check
-from trainer.stages.rollout import sample_student  # noqa: F401  (sampler_for("dmd_sgf"))
 
 N = flow.NUM_TRAIN_TIMESTEPS
 
@@ -96,10 +94,10 @@ def teacher_x0(teacher: nn.Module, x_noisy: torch.Tensor, sigma_frames: torch.Te
                captions: Captions, guidance_scale: float) -> torch.Tensor:
     """The teacher's guided x0 = x - sigma R_s(F(x | c), F(x | null)), float32.
 
-    R_s is computed as the standard u + w (c - u) with w = 1 + s (trainer.sampling.guided, one
+    R_s is computed as the standard u + w (c - u) with w = 1 + s (trainer.flow.guided, one
     batched forward; s = 0 runs the conditional branch only).
     """
-    v = guided(teacher, x_noisy, sigma_frames * N, captions.text, captions.mask,
+    v = flow.guided(teacher, x_noisy, sigma_frames * N, captions.text, captions.mask,
                captions.null_text, captions.null_mask, 1.0 + guidance_scale)
     return flow.x0_from_velocity(_work(x_noisy), sigma_frames, _work(v))
 
@@ -226,7 +224,7 @@ class DMDSGFStage(Stage):
             x_hat, frame_mask, exit_index = self.student_sample(batch, with_grad=True)
             loss, stats = self.generator_loss(x_hat, frame_mask, captions)
         loss.backward()
-        _average_gradients(self.student, self.dp_world)
+        average_gradients(self.student, self.dp_world)
         grad_norm = clip_and_check(step, self.student, float(loss.detach()), args.max_grad_norm)
         optimizer = self.optimizers["student"]
         optimizer.step()
@@ -249,7 +247,7 @@ class DMDSGFStage(Stage):
                 x_hat, frame_mask, _ = self.student_sample(batch, with_grad=False)
             loss = self.critic_loss(x_hat, frame_mask, captions)
         loss.backward()
-        _average_gradients(self.critic, self.dp_world)
+        average_gradients(self.critic, self.dp_world)
         grad_norm = clip_and_check(step, self.critic, float(loss.detach()),
                                    args.critic_max_grad_norm)
         optimizer = self.optimizers["critic"]
@@ -375,34 +373,19 @@ class DMDSGFStage(Stage):
         return self.student
 
 
-def _average_gradients(model: nn.Module, world: int) -> None:
-    """Mean of the gradients over data-parallel ranks (the roles are not DDP-wrapped: the
-    student's replay calls forward_teacher_forcing, which DDP's forward hook would miss)."""
-    if world <= 1 or not dist.is_initialized():
-        return
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-            p.grad.div_(world)
-
-
 def build_dmd_sgf_stage(args, topo) -> DMDSGFStage:
     """The three roles, both optimizers and schedules, the student's EMA and the data.
 
     Weights are random here: train.py calls warm_start (no checkpoint yet) or resumes.
     """
-    from trainer.schema import model_config
+    from trainer.build import (build_data, build_model, build_score_models, build_text_encoder,
+                               prepare_for_training)
     from trainer.ema import EMA
-    from trainer.model import VideoDiT
     from trainer.optim import build_lr_scheduler, build_optimizer
-    from trainer.stages import build_data, build_model, build_text_encoder, prepare_for_training
 
     device = topo.device
     student = prepare_for_training(build_model(args, device), args)
-    bidirectional = teacher_model_config(model_config(args))
-    teacher = prepare_for_training(
-        VideoDiT(**bidirectional).to(device).eval().requires_grad_(False), args)
-    critic = prepare_for_training(VideoDiT(**bidirectional).to(device), args)
+    teacher, critic = build_score_models(args, device)
     optimizers = {
         "student": build_optimizer(
             student, use_muon=args.use_muon, learning_rate=args.learning_rate,

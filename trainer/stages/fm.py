@@ -180,8 +180,8 @@ def build_optimization(args, model: nn.Module):
 
 def build_fm_stage(args, topo) -> FlowMatchingStage:
     """Model, optimizer, LR schedule, EMA and data for pretrain / SFT."""
-    from trainer.stages import (build_data, build_model, build_text_encoder,
-                                prepare_for_training, wrap_for_training)
+    from trainer.build import build_data, build_model, build_text_encoder, prepare_for_training
+    from trainer.distributed import wrap_for_training
 
     model = prepare_for_training(build_model(args, topo.device), args)
     optimizer, scheduler, ema = build_optimization(args, model)

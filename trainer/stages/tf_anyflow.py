@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from trainer import flow
+from trainer.distributed import gather_across_ranks, sum_across_ranks
 from trainer.stages.fm import FlowMatchingStage, build_optimization, sample_condition_frames
 
 N = flow.NUM_TRAIN_TIMESTEPS
@@ -228,22 +229,6 @@ def masked_mean_square(residual: torch.Tensor, frame_mask: torch.Tensor | None =
     residual = torch.where(mask, residual, torch.zeros((), dtype=residual.dtype, device=residual.device))
     valid = mask.reshape(b, -1).sum(dim=1).clamp_min(1)
     return residual.square().reshape(b, -1).sum(dim=1) / valid
-
-
-def gather_across_ranks(values: torch.Tensor) -> torch.Tensor:
-    """The concatenation over data-parallel ranks of a detached 1-D tensor (itself in one process).
-
-    cp_size is 1 (context parallel is refused at start), so the world group is the DP group.
-    """
-    import torch.distributed as dist
-
-    values = values.detach()
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return values
-    work = values.cuda() if dist.get_backend() == "nccl" else values.cpu()
-    parts = [torch.empty_like(work) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, work)
-    return torch.cat(parts).to(values.device)
 
 
 def adaptive_rescale(losses: torch.Tensor, is_diffusion: torch.Tensor, *,
@@ -452,7 +437,7 @@ def _merge_stats(stats: list[dict]) -> dict:
     diffusion samples.
     """
     names = list(KIND_NAMES.values())
-    totals = _sum_across_ranks([sum(s[f"{part}_{name}"] for s in stats)
+    totals = sum_across_ranks([sum(s[f"{part}_{name}"] for s in stats)
                                 for name in names for part in ("sum", "count")])
     out = {}
     for i, name in enumerate(names):
@@ -465,23 +450,10 @@ def _merge_stats(stats: list[dict]) -> dict:
     return out
 
 
-def _sum_across_ranks(values: list[float]) -> list[float]:
-    """Element-wise sum over all ranks (the values themselves in one process)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        tensor = tensor.cuda()
-    dist.all_reduce(tensor)
-    return tensor.cpu().tolist()
-
-
 def build_tf_anyflow_stage(args, topo) -> TFAnyFlowStage:
     """Model, optimizer, LR schedule, EMA and data for Stage1 (args checked by trainer.stage_checks)."""
-    from trainer.stages import (build_data, build_model, build_text_encoder,
-                                prepare_for_training, wrap_for_training)
+    from trainer.build import build_data, build_model, build_text_encoder, prepare_for_training
+    from trainer.distributed import wrap_for_training
 
     model = prepare_for_training(build_model(args, topo.device), args)
     optimizer, scheduler, ema = build_optimization(args, model)

@@ -1,6 +1,6 @@
 """Kernel-cache warm-up: one forward and backward of a stage at its real shapes.
 
-    python -m trainer.kernels --config config/tiny/pretrain.yaml [--key value ...]
+    python -m trainer.warmup --config config/tiny/pretrain.yaml [--key value ...]
 
 Triton, Inductor, FlashAttention-4 (CuTe DSL) and quack compile and autotune a kernel the first
 time they meet a shape, and keep the result in the caches slurm/env.sh points at. On a cold
@@ -30,13 +30,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-if __package__ in (None, ""):  # `python trainer/kernels.py`: make the repository importable
+if __package__ in (None, ""):  # `python trainer/warmup.py`: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
 from trainer.args import resolve_args
-
+from trainer.build import (build_model, build_score_models, build_text_encoder,
+                           prepare_for_training, sample_latent_shape)
 from trainer.schema import ConfigError, ResolvedArgs, model_config
 
 log = logging.getLogger("relay")
@@ -47,47 +48,7 @@ REPORT_ENV = "RELAY_WARMUP_REPORT"
 MAX_CACHE_FILES = 500_000
 HEARTBEAT_S = 60.0
 
-__all__ = ["compile_transformer_blocks", "warmup_shapes", "warm_up_kernels", "main"]
-
-
-def compile_transformer_blocks(model: torch.nn.Module) -> torch.nn.Module:
-    """torch.compile each transformer block's two streams in place; returns the same model.
-
-    Training must compile through this same function when compile_transformer is set: the
-    Inductor/Triton cache keys include the traced graphs and the Inductor config, so a warm-up
-    that compiled differently would warm nothing. Blocks share their compiled graphs (the
-    module is an input, not a constant), so a deep model compiles three graphs, not three per
-    layer.
-    """
-    import torch._inductor.config as inductor_config
-
-    # ARCHITECTURE.md, known pitfalls: torch 2.11's Inductor computed wrong gradients for
-    # per-block adaLN tables with this reduction fusion on (pytorch#193061). Off for both the
-    # warm-up and training, so their cache keys agree.
-    if hasattr(inductor_config.triton, "mix_order_reduction"):
-        inductor_config.triton.mix_order_reduction = False
-    for block in model.blocks:
-        block.forward_text = torch.compile(block.forward_text)
-        block.forward_video = torch.compile(block.forward_video)
-    return model
-
-
-def _latent_shape(args: ResolvedArgs) -> tuple[int, ...]:
-    """[C, T, H, W] of one training sample, as the data will deliver it."""
-    if args.synthetic_data:
-        from trainer.synthetic import make_clip
-
-        # One clip from the generator itself rather than a copy of its layout here.
-        _, clip = make_clip(args.synthetic_seed, 0, num_frames=args.synthetic_num_frames,
-                            height=args.synthetic_height, width=args.synthetic_width)
-        return tuple(clip.shape)
-    from trainer.data import ParquetLatentDataset, resolve_data_paths
-
-    # The first shard only: a production data_path holds terabytes, and the dataset refuses
-    # mixed latent shapes anyway, so one shard's shape is the run's shape.
-    first_shard = resolve_data_paths(args.data_path)[0][0]
-    dataset = ParquetLatentDataset([(first_shard, 1)], max_text_tokens=args.text_max_tokens)
-    return tuple(int(s) for s in dataset.latent_shape)
+__all__ = ["warmup_shapes", "warm_up_kernels", "main"]
 
 
 def warmup_shapes(args: ResolvedArgs) -> dict[str, Any]:
@@ -97,7 +58,7 @@ def warmup_shapes(args: ResolvedArgs) -> dict[str, Any]:
     Raises FileNotFoundError / ValueError when the data cannot be read (as training would).
     """
     config = model_config(args)
-    latent = _latent_shape(args)
+    latent = sample_latent_shape(args)
     pt, ph, pw = config["patch_size"]
     _, t, h, w = latent
     return {"batch": int(args.train_batch_size), "latent": list(latent),
@@ -107,8 +68,6 @@ def warmup_shapes(args: ResolvedArgs) -> dict[str, Any]:
 
 def _null_caption(args: ResolvedArgs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The null caption [L, D] and its mask [L], as the stages keep it for caption dropout."""
-    from trainer.stages import build_text_encoder
-
     null_text, null_mask = build_text_encoder(args).null_embedding()
     # null_embedding has a batch dim of 1, which drop_captions would broadcast to [1, B, L, D].
     return (null_text.reshape(null_text.shape[-2:]).to(device),
@@ -135,18 +94,13 @@ def _tf_anyflow_loss(model, batch: dict, args: ResolvedArgs, shapes: dict) -> to
 
 
 def _dmd_sgf_loss(student, batch: dict, args: ResolvedArgs, shapes: dict) -> torch.Tensor:
-    from trainer.model import VideoDiT
-    from trainer.stages import build_text_encoder, prepare_for_training
-    from trainer.stages.dmd_sgf import DMDSGFStage, teacher_model_config
+    from trainer.stages.dmd_sgf import DMDSGFStage
 
     # One outer step holds all three roles in memory, as training does: the student's rollout
     # and its replay, then the teacher and critic scores (generator loss) and the critic's own
     # flow-matching loss. Random weights: the shapes, not the values, pick the kernels.
     device = batch["latents"].device
-    bidirectional = teacher_model_config(model_config(args))
-    teacher = prepare_for_training(
-        VideoDiT(**bidirectional).to(device).eval().requires_grad_(False), args)
-    critic = prepare_for_training(VideoDiT(**bidirectional).to(device), args)
+    teacher, critic = build_score_models(args, device)
     stage = DMDSGFStage(student, teacher, critic, {}, {}, None, None, args,
                         build_text_encoder(args), device)
     captions = stage._captions(batch)
@@ -174,7 +128,7 @@ def _random_batch(shapes: dict, device: torch.device) -> dict:
 
 
 def _cache_counts() -> dict[str, dict[str, Any]]:
-    from launcher.environment import inspect_caches
+    from trainer.environment import inspect_caches
 
     return inspect_caches(max_files=MAX_CACHE_FILES, check_writable=False)
 
@@ -212,7 +166,7 @@ def warm_up_kernels(args: ResolvedArgs, device: torch.device | str,
                     heartbeat_s: float = HEARTBEAT_S) -> dict[str, Any]:
     """One forward + backward of args' stage at its real shapes; returns the report.
 
-    Builds the model (trainer.stages.build_model), compiles its blocks when
+    Builds the model (trainer.build.build_model), compiles its blocks when
     compile_transformer is set, and runs the stage's loss on a random batch of the training
     shapes under the run's autocast. No optimizer step; nothing is written (not even
     output_dir). Report keys: status "ok", stage, config, device, dtype, attention_backend,
@@ -223,7 +177,6 @@ def warm_up_kernels(args: ResolvedArgs, device: torch.device | str,
     the data cannot be read, and whatever the forward/backward raises (an out-of-memory error
     here is one the training run would have hit too).
     """
-    from trainer.stages import build_model, prepare_for_training
     from trainer.stages.base import autocast_context
 
     device = torch.device(device)
@@ -306,7 +259,7 @@ def _write_report(path: str, report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m trainer.kernels --config X [--key value ...]`: warm up, print the report as
+    """`python -m trainer.warmup --config X [--key value ...]`: warm up, print the report as
     JSON on stdout (logs go to stderr), also write it to $RELAY_WARMUP_REPORT when set.
     The arguments are train.py's (same parser, same precedence); --dry-run is accepted and
     ignored. Returns the exit code: 0 ok, 1 the warm-up failed, 2 bad configuration."""

@@ -1,4 +1,4 @@
-"""trainer/kernels.py: the kernel-cache warm-up, on CPU with the tiny config at small shapes."""
+"""trainer/warmup.py: the kernel-cache warm-up, on CPU with the tiny config at small shapes."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import trainer.stages
-from trainer import kernels
+from trainer import warmup
 from trainer.args import resolve_config
 from trainer.synthetic import ensure_dataset
 
@@ -31,15 +30,15 @@ def _argv(tmp_path: Path, *extra: str) -> list[str]:
 def captured_model(monkeypatch):
     """The model the warm-up builds, with a copy of its initial weights."""
     seen = {}
-    build = trainer.stages.build_model
+    build = warmup.build_model
 
-    def recording_build(args, device):
-        model = build(args, device)
+    def recording_build(args, device, config=None):
+        model = build(args, device, config)
         seen["model"] = model
         seen["initial"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
         return model
 
-    monkeypatch.setattr(trainer.stages, "build_model", recording_build)
+    monkeypatch.setattr(warmup, "build_model", recording_build)
     return seen
 
 
@@ -47,7 +46,7 @@ def test_warm_up_runs_one_forward_backward_at_the_stage_shapes_and_writes_nothin
         tmp_path, captured_model, caplog):
     caplog.set_level(logging.INFO, logger="relay")
     args = resolve_config(TINY, _argv(tmp_path))
-    report = kernels.warm_up_kernels(args, "cpu")
+    report = warmup.warm_up_kernels(args, "cpu")
 
     assert report["status"] == "ok" and report["stage"] == "fm"
     assert report["shapes"] == {"batch": 2, "latent": [3, 4, 8, 8], "text_tokens": 8,
@@ -84,7 +83,7 @@ def test_stage1_warm_up_runs_the_teacher_forcing_loss_of_the_two_time_model(tmp_
     stage1 = str(REPO / "config" / "tiny" / "stage1.yaml")
     args = resolve_config(stage1, _argv(tmp_path, "--pretrained_transformer_path",
                                         str(tmp_path / "sft")), check_paths=False)
-    report = kernels.warm_up_kernels(args, "cpu")
+    report = warmup.warm_up_kernels(args, "cpu")
 
     assert report["status"] == "ok" and report["stage"] == "tf_anyflow"
     assert math.isfinite(report["loss"])
@@ -101,7 +100,7 @@ def test_stage2_warm_up_runs_one_outer_step_of_all_three_roles(tmp_path, capture
                for role in ("student", "teacher", "critic")]
     args = resolve_config(stage2, _argv(tmp_path, *sources, "--rollout_mode", rollout_mode),
                           check_paths=False)
-    report = kernels.warm_up_kernels(args, "cpu")
+    report = warmup.warm_up_kernels(args, "cpu")
 
     assert report["status"] == "ok" and report["stage"] == "dmd_sgf"
     assert math.isfinite(report["loss"])
@@ -129,7 +128,7 @@ def test_every_stage_runs_with_gradient_checkpointing_and_the_same_loss(tmp_path
     for on in ("false", "true"):
         args = resolve_config(config, _argv(tmp_path, *extra, "--enable_gradient_checkpointing",
                                             on), check_paths=False)
-        losses[on] = kernels.warm_up_kernels(args, "cpu")["loss"]
+        losses[on] = warmup.warm_up_kernels(args, "cpu")["loss"]
     assert math.isfinite(losses["true"]) and losses["true"] == losses["false"]
 
 
@@ -138,7 +137,7 @@ def test_latent_shape_comes_from_the_first_parquet_row(tmp_path):
     ensure_dataset(data, 4, seed=0, num_frames=2, height=8, width=8)
     args = resolve_config(TINY, ["--output_dir", str(tmp_path / "out"), "--data_path", str(data),
                                  "--synthetic_data", "false", "--train_batch_size", "3"])
-    report = kernels.warm_up_kernels(args, "cpu")
+    report = warmup.warm_up_kernels(args, "cpu")
     assert report["shapes"]["latent"] == [3, 2, 8, 8]
     assert report["shapes"]["batch"] == 3
 
@@ -159,7 +158,7 @@ def test_compile_transformer_compiles_every_block_and_counts_the_cache_files_it_
 
     monkeypatch.setattr(torch, "compile", fake_compile)
     args = resolve_config(TINY, _argv(tmp_path, "--compile_transformer", "true"))
-    report = kernels.warm_up_kernels(args, "cpu")
+    report = warmup.warm_up_kernels(args, "cpu")
 
     layers = args.transformer_config_overrides["num_layers"]
     assert sorted(compiled) == sorted(["forward_text", "forward_video"] * layers)
@@ -171,21 +170,21 @@ def test_compile_transformer_compiles_every_block_and_counts_the_cache_files_it_
 
 def test_a_long_step_logs_a_heartbeat(tmp_path, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="relay")
-    real_loss = kernels.STAGE_LOSSES["fm"]
+    real_loss = warmup.STAGE_LOSSES["fm"]
 
     def slow_loss(*args):
         time.sleep(0.3)
         return real_loss(*args)
 
-    monkeypatch.setitem(kernels.STAGE_LOSSES, "fm", slow_loss)
-    kernels.warm_up_kernels(resolve_config(TINY, _argv(tmp_path)), "cpu", heartbeat_s=0.05)
+    monkeypatch.setitem(warmup.STAGE_LOSSES, "fm", slow_loss)
+    warmup.warm_up_kernels(resolve_config(TINY, _argv(tmp_path)), "cpu", heartbeat_s=0.05)
     assert any("still in the forward pass" in r.getMessage() for r in caplog.records)
 
 
 def test_main_prints_the_report_and_writes_relay_warmup_report(tmp_path, monkeypatch, capsys):
     target = tmp_path / "reports" / "warmup.json"
-    monkeypatch.setenv(kernels.REPORT_ENV, str(target))
-    assert kernels.main(["--config", TINY, *_argv(tmp_path), "--dry-run"]) == 0
+    monkeypatch.setenv(warmup.REPORT_ENV, str(target))
+    assert warmup.main(["--config", TINY, *_argv(tmp_path), "--dry-run"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["status"] == "ok" and printed["config"] == TINY
     assert json.loads(target.read_text()) == printed
@@ -196,10 +195,10 @@ def test_main_reports_a_failed_warm_up_with_exit_code_1(tmp_path, monkeypatch, c
     def broken(*args):
         raise RuntimeError("CUDA out of memory (pretend)")
 
-    monkeypatch.setitem(kernels.STAGE_LOSSES, "fm", broken)
+    monkeypatch.setitem(warmup.STAGE_LOSSES, "fm", broken)
     target = tmp_path / "warmup.json"
-    monkeypatch.setenv(kernels.REPORT_ENV, str(target))
-    assert kernels.main(["--config", TINY, *_argv(tmp_path)]) == 1
+    monkeypatch.setenv(warmup.REPORT_ENV, str(target))
+    assert warmup.main(["--config", TINY, *_argv(tmp_path)]) == 1
     report = json.loads(target.read_text())
     assert report["status"] == "failed"
     assert report["error"] == "RuntimeError: CUDA out of memory (pretend)"
@@ -207,5 +206,5 @@ def test_main_reports_a_failed_warm_up_with_exit_code_1(tmp_path, monkeypatch, c
 
 
 def test_main_rejects_a_bad_config_with_exit_code_2(tmp_path, capsys):
-    assert kernels.main(["--config", TINY, *_argv(tmp_path), "--learning_rat", "1"]) == 2
+    assert warmup.main(["--config", TINY, *_argv(tmp_path), "--learning_rat", "1"]) == 2
     assert "learning_rate" in capsys.readouterr().err

@@ -523,5 +523,5 @@ def print_probe(as_json: bool = False, import_kernels: bool = False) -> int:
     return 0
 
 
-if __name__ == "__main__":  # `python -m launcher.environment [--json] [--import-kernels]`
+if __name__ == "__main__":  # `python -m trainer.environment [--json] [--import-kernels]`
     sys.exit(print_probe("--json" in sys.argv[1:], "--import-kernels" in sys.argv[1:]))
