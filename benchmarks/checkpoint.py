@@ -46,9 +46,9 @@ from torch import nn
 
 from trainer.checkpoint import (
     CheckpointManager,
+    ModelMember,
+    OptimizerMember,
     load_checkpoint,
-    model_state,
-    optimizer_state,
     save_checkpoint,
 )
 
@@ -79,7 +79,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: int = 
 
 
 def members(model, optimizer) -> dict:
-    return {"transformer": model_state(model), "optimizer": optimizer_state(model, optimizer)}
+    return {"transformer": ModelMember(model), "optimizer": OptimizerMember(model, optimizer)}
 
 
 def dir_bytes(path: Path) -> int:

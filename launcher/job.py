@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from trainer.files import write_json
+
 PREEMPTED = 75  # trainer.preemption.PREEMPTED_EXIT_CODE (kept importable without torch)
 REQUEUE_GRACE_S = 600  # how long rank 0 waits for Slurm to stop it after `scontrol requeue`
 WARMUP_REPORT_ENV = "RELAY_WARMUP_REPORT"  # trainer.warmup.REPORT_ENV (importable without torch)
@@ -228,12 +230,6 @@ def _read_report(path: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _write_json(path: Path, value: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 def run_warmups(runs: list[dict[str, Any]], *, directory: str, python: str, workdir: str,
                 echo: Callable[[str], None] = print, show_reports: bool = True,
                 prefix: str = "relay") -> dict[str, Any]:
@@ -252,7 +248,7 @@ def run_warmups(runs: list[dict[str, Any]], *, directory: str, python: str, work
     for run in runs:
         Path(run["report"]).unlink(missing_ok=True)
     result: dict[str, Any] = {"status": "running", "failed": None, "error": None, "stages": {}}
-    _write_json(out / WARMUP_RESULT, result)
+    write_json(out / WARMUP_RESULT, result)
     for index, run in enumerate(runs, 1):
         stage, report_path = run["stage"], run["report"]
         cmd = warmup_command(python, run["argv"])
@@ -271,7 +267,7 @@ def run_warmups(runs: list[dict[str, Any]], *, directory: str, python: str, work
             timings = report.get("timings_s") or {}
             echo(f"{prefix}: kernel warm-up of stage {stage}: ok (forward "
                  f"{timings.get('forward', '?')} s, backward {timings.get('backward', '?')} s)")
-            _write_json(out / WARMUP_RESULT, result)
+            write_json(out / WARMUP_RESULT, result)
             continue
         if code == 0:
             what = f"no report with status ok in {report_path}"
@@ -281,10 +277,10 @@ def run_warmups(runs: list[dict[str, Any]], *, directory: str, python: str, work
         result.update(status="failed", failed=stage,
                       error=f"kernel warm-up of stage {stage} failed ({what}){detail}. "
                             f"Report: {report_path}")
-        _write_json(out / WARMUP_RESULT, result)
+        write_json(out / WARMUP_RESULT, result)
         return result
     result["status"] = "ok"
-    _write_json(out / WARMUP_RESULT, result)
+    write_json(out / WARMUP_RESULT, result)
     return result
 
 

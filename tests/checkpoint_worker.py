@@ -26,17 +26,16 @@ import torch.nn as nn  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
-from trainer.checkpoint import (  # noqa: E402
+from trainer.checkpoint import (
     CheckpointManager,
-    capture_rng_state,
+    ModelMember,
+    OptimizerMember,
     find_resume_checkpoint,
     load_checkpoint,
-    load_warm_start,
-    model_state,
-    optimizer_state,
-    restore_rng_state,
-)
-from trainer.preemption import preemption_requested_anywhere  # noqa: E402
+)  # noqa: E402
+from trainer.rng import capture_rng_state, restore_rng_state  # noqa: E402
+from trainer.warm_start import load_warm_start  # noqa: E402
+from trainer.distributed import any_rank  # noqa: E402
 
 
 def build(seed: int, mesh) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -78,7 +77,7 @@ def main() -> None:
         with CheckpointManager(out, async_save=True) as manager:
             for step in (1, 2):
                 train_step(model, optimizer)
-            manager.save(2, members={"transformer": model_state(model), "optimizer": optimizer_state(model, optimizer)},
+            manager.save(2, members={"transformer": ModelMember(model), "optimizer": OptimizerMember(model, optimizer)},
                          training_state={"step": 2, "rng": all_rng_states()},
                          dataloader_state={"rank": rank, "pos": 20 + rank}, **topology)
             result["weights_at_2"] = full_weights(model)
@@ -90,19 +89,19 @@ def main() -> None:
                 if step == 6:
                     train_step(model, optimizer)
                     train_step(model, optimizer)
-                manager.save(step, members={"transformer": model_state(model),
-                                            "optimizer": optimizer_state(model, optimizer)},
+                manager.save(step, members={"transformer": ModelMember(model),
+                                            "optimizer": OptimizerMember(model, optimizer)},
                              training_state={"step": step, "rng": all_rng_states()},
                              dataloader_state={"rank": rank, "pos": 10 * step + rank}, **topology)
         result["blocked_s"] = [t.blocked_s for t in manager.timings]
-        result["preemption_agreed"] = preemption_requested_anywhere(rank == 1)
+        result["preemption_agreed"] = any_rank(rank == 1)
     else:
         model, optimizer = build(123, mesh)
         loaded: dict = {}
 
         def load(path: Path) -> None:
             loaded["state"], loaded["cursor"] = load_checkpoint(
-                path, {"transformer": model_state(model), "optimizer": optimizer_state(model, optimizer)},
+                path, {"transformer": ModelMember(model), "optimizer": OptimizerMember(model, optimizer)},
                 dp_rank=rank, dp_world=2, cp_size=1)
             if path.name == "checkpoint-4" and rank == 1:
                 raise ValueError("simulated: rank 1 cannot apply its data cursor")

@@ -21,21 +21,20 @@ import torch.distributed.checkpoint as ckpt_dcp
 import trainer.checkpoint as ckpt
 from trainer.checkpoint import (
     COMPLETE_FILE,
-    QUARANTINE_REASON_FILE,
     CheckpointError,
     CheckpointIncompatibleError,
     CheckpointManager,
-    capture_rng_state,
+    ModelMember,
+    OptimizerMember,
+    QUARANTINE_REASON_FILE,
     find_resume_checkpoint,
     list_checkpoints,
     load_checkpoint,
-    model_state,
-    optimizer_state,
     prune_checkpoints,
-    restore_rng_state,
     save_checkpoint,
     validate_checkpoint,
 )
+from trainer.rng import capture_rng_state, restore_rng_state
 
 
 class Run:
@@ -48,7 +47,7 @@ class Run:
         self.step = 0
 
     def members(self) -> dict:
-        return {"transformer": model_state(self.model), "optimizer": optimizer_state(self.model, self.optimizer)}
+        return {"transformer": ModelMember(self.model), "optimizer": OptimizerMember(self.model, self.optimizer)}
 
     def train_step(self) -> float:
         # Python, NumPy and torch randomness all feed the batch, so all three must be restored.
@@ -153,15 +152,15 @@ def test_members_may_be_plain_state_dicts_and_dicts_of_optimizers(tmp_path):
     run = Run(0)
     run.train_step()
     ema = {k: v.detach().clone() + 1 for k, v in run.model.state_dict().items()}
-    members = {"transformer": model_state(run.model), "ema": ema,
-               "optimizer": {"transformer": optimizer_state(run.model, run.optimizer)}}
+    members = {"transformer": ModelMember(run.model), "ema": ema,
+               "optimizer": {"transformer": OptimizerMember(run.model, run.optimizer)}}
     save_checkpoint(tmp_path, 1, members=members, training_state={"step": 1}, dataloader_state=None,
                     extra_files={"resolved-config.json": '{"lr": 1}'})
     assert (tmp_path / "checkpoint-1" / "resolved-config.json").read_text() == '{"lr": 1}'
     fresh = Run(7)
     fresh_ema = {k: torch.zeros_like(v) for k, v in ema.items()}
-    load_checkpoint(tmp_path / "checkpoint-1", {"transformer": model_state(fresh.model), "ema": fresh_ema,
-                    "optimizer": {"transformer": optimizer_state(fresh.model, fresh.optimizer)}})
+    load_checkpoint(tmp_path / "checkpoint-1", {"transformer": ModelMember(fresh.model), "ema": fresh_ema,
+                    "optimizer": {"transformer": OptimizerMember(fresh.model, fresh.optimizer)}})
     assert all(torch.equal(fresh_ema[k], ema[k]) for k in ema)
     assert fresh.optimizer.state_dict()["state"][0]["step"] == 1
 

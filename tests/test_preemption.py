@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler, preemption_requested_anywhere
+from trainer.distributed import any_rank
+from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,8 +63,8 @@ def test_exit_code_is_distinct_from_death_by_signal():
 
 
 def test_single_process_agreement_is_the_local_flag():
-    assert preemption_requested_anywhere(True) is True
-    assert preemption_requested_anywhere(False) is False
+    assert any_rank(True) is True
+    assert any_rank(False) is False
 
 
 def test_unknown_signal_name_is_rejected():

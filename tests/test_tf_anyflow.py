@@ -126,15 +126,23 @@ def fm_checkpoint(tmp_path) -> tuple[Path, VideoDiT]:
     return path, fm
 
 
-def stage_for(model, ema=None):
+def stage_for(model, ema=None, args=None):
     encoder = build_text_encoder("standin", text_dim=D_TEXT, max_tokens=L)
     return TFAnyFlowStage(model, TeacherForcingForward(model), None, None, ema, None,
-                          SimpleNamespace(), encoder, torch.device("cpu"))
+                          args or SimpleNamespace(), encoder, torch.device("cpu"))
 
 
 def warm_args(path):
     return SimpleNamespace(pretrained_transformer_path=str(path), pretrained_weights="live",
-                           warm_start_allow_missing=[], warm_start_allow_unexpected=[])
+                           load_transformer_weights=True, warm_start_allow_missing=[],
+                           warm_start_allow_unexpected=[])
+
+
+def warm_start(model, path, ema=None) -> dict:
+    """The warm start a Stage1 run makes (trainer.run_state), from the FM weights at `path`."""
+    from trainer import run_state
+
+    return run_state.warm_start(stage_for(model, ema, warm_args(path)))
 
 
 @pytest.mark.parametrize("gate", [0.25, 0.0])
@@ -143,7 +151,7 @@ def test_warm_start_copies_e_t_into_e_r_so_the_diagonal_is_the_fm_model(tmp_path
     model = tiny(time_gate=gate)
     config_before = model.config
     ema = EMA(model, 0.99)
-    report = stage_for(model, ema).warm_start(warm_args(path))
+    report = warm_start(model, path, ema)
     assert report["r_embedder"] == "copied from time_embedder"
     assert sorted(report["missing"]) == sorted(k for k in model.state_dict() if k.startswith("r_embedder."))
     assert model.config == config_before and model.config["two_time"] is True
@@ -169,12 +177,12 @@ def test_warm_start_keeps_a_trained_e_r_and_refuses_a_partial_one(tmp_path):
         source.r_embedder.linear_1.weight.add_(1.0)
     torch.save(source.state_dict(), tmp_path / "stage1.pt")
     model = tiny()
-    assert stage_for(model).warm_start(warm_args(tmp_path / "stage1.pt"))["r_embedder"] == "loaded"
+    assert warm_start(model, tmp_path / "stage1.pt")["r_embedder"] == "loaded"
     assert torch.equal(model.r_embedder.linear_1.weight, source.r_embedder.linear_1.weight)
     partial = {k: v for k, v in source.state_dict().items() if k != "r_embedder.linear_2.bias"}
     torch.save(partial, tmp_path / "partial.pt")
     with pytest.raises(CheckpointError, match="only some of the r_embedder"):
-        stage_for(tiny()).warm_start(warm_args(tmp_path / "partial.pt"))
+        warm_start(tiny(), tmp_path / "partial.pt")
 
 
 # ---- 3. Gaussian oracle fixed point ----------------------------------------------------------
@@ -336,7 +344,7 @@ def test_rescale_reference_is_gathered_over_all_ranks():
 def _rescale_on_rank(rank, world, store):
     import torch.distributed as dist
 
-    from trainer.stages.tf_anyflow import _sum_across_ranks
+    from trainer.distributed import sum_across_ranks
 
     dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
     try:
@@ -346,7 +354,7 @@ def _rescale_on_rank(rank, world, store):
         assert mean_d.item() == pytest.approx(2.0)
         if rank == 1:
             assert torch.allclose(out, torch.full((2,), 2.0), rtol=1e-4)
-        assert _sum_across_ranks([1.0, float(rank)]) == [2.0, 1.0]
+        assert sum_across_ranks([1.0, float(rank)]) == [2.0, 1.0]
     finally:
         dist.destroy_process_group()
 

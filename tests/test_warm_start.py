@@ -9,13 +9,8 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-from trainer.checkpoint import (
-    CheckpointError,
-    export_weights,
-    load_warm_start,
-    model_state,
-    save_checkpoint,
-)
+from trainer.checkpoint import CheckpointError, ModelMember, save_checkpoint
+from trainer.warm_start import export_weights, load_warm_start
 
 
 class Toy(nn.Module):
@@ -49,11 +44,11 @@ def sources(tmp_path_factory):
     (root / "dir_with_model_state").mkdir()
     torch.save(live.state_dict(), root / "dir_with_model_state" / "model_state.pt")
     for step in (1, 2):
-        save_checkpoint(root / "run", step, members={"transformer": model_state(live), "ema": model_state(ema)},
+        save_checkpoint(root / "run", step, members={"transformer": ModelMember(live), "ema": ModelMember(ema)},
                         training_state={"step": step}, dataloader_state={}, model_config={"hidden": 8})
-    save_checkpoint(root / "run_without_ema", 1, members={"transformer": model_state(live)},
+    save_checkpoint(root / "run_without_ema", 1, members={"transformer": ModelMember(live)},
                     training_state={"step": 1}, dataloader_state={})
-    save_checkpoint(root / "stage2", 1, members={"student": model_state(live), "critic": model_state(ema)},
+    save_checkpoint(root / "stage2", 1, members={"student": ModelMember(live), "critic": ModelMember(ema)},
                     training_state={"step": 1}, dataloader_state={})
     return root
 

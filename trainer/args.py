@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
         group = parser.add_argument_group(section)
         for arg in args:
             group.add_argument(f"--{arg.name}", type=str, metavar=arg.kind.upper(),
-                               help=f"{arg.help} (default: {arg.default!r})")
+                               help=f"{arg.help} (default: {arg.default!r})".replace("%", "%%"))
     return parser
 
 

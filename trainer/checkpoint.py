@@ -78,8 +78,6 @@ from trainer.dcp_io import (
 )
 from trainer.distributed import (all_gather_objects, broadcast_from_rank0, distributed_active,
                                  rank_in)
-from trainer.rng import capture_rng_state, restore_rng_state
-from trainer.warm_start import export_weights, load_warm_start
 
 log = logging.getLogger(__name__)
 
@@ -121,16 +119,6 @@ class OptimizerMember:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, state_dict)
-
-
-def model_state(model: torch.nn.Module) -> ModelMember:
-    """The checkpoint member for `model`: `save_checkpoint` writes its state, `load_checkpoint` loads it back."""
-    return ModelMember(model)
-
-
-def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> OptimizerMember:
-    """The checkpoint member for `optimizer` (which optimizes `model`), saved and loaded by name."""
-    return OptimizerMember(model, optimizer)
 
 
 def _is_stateful(obj: Any) -> bool:
@@ -445,16 +433,13 @@ def save_checkpoint(
     Raises CheckpointError (on every rank) for a bad argument or if anything could not be
     written; earlier checkpoints are untouched and no partial checkpoint-<step>/ appears.
     """
-    job = _prepare_job(
-        output_dir, step, members=members, training_state=training_state,
-        dataloader_state=dataloader_state,
-        topology=_topology(world_size, dp_world, dp_rank, cp_size, cp_rank),
-        config_digest=config_digest, model_config=model_config, extra_files=extra_files,
-        save_total_limit=save_total_limit, process_group=process_group,
-    )
-    if _should_skip(job):
-        return checkpoint_dir(output_dir, step)
-    return _write_and_commit(job)
+    with CheckpointManager(output_dir, save_total_limit=save_total_limit,
+                           process_group=process_group) as manager:
+        return manager.save(step, members=members, training_state=training_state,
+                            dataloader_state=dataloader_state, dp_rank=dp_rank, dp_world=dp_world,
+                            world_size=world_size, cp_size=cp_size, cp_rank=cp_rank,
+                            config_digest=config_digest, model_config=model_config,
+                            extra_files=extra_files)
 
 
 @dataclass
@@ -876,20 +861,14 @@ __all__ = [
     "ModelMember",
     "OptimizerMember",
     "SaveTiming",
-    "capture_rng_state",
     "checkpoint_dir",
     "checkpoint_step",
-    "export_weights",
     "find_resume_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
-    "load_warm_start",
-    "model_state",
-    "optimizer_state",
     "prune_checkpoints",
     "quarantine_checkpoint",
     "read_complete",
-    "restore_rng_state",
     "save_checkpoint",
     "validate_checkpoint",
 ]

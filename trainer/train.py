@@ -11,7 +11,6 @@ resume (or warm start, or fresh) -> loop with checkpoints -> run-result.json. Ex
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -25,15 +24,16 @@ if __package__ in (None, ""):  # `python trainer/train.py`: make the repository 
 
 import torch
 
-from trainer.environment import probe_environment
 from trainer import checkpoint as ckpt
+from trainer import run_state
 from trainer.args import resolve_args
-from trainer.schema import ConfigError, ResolvedArgs, model_config
-from trainer.distributed import Topology, all_reduce_max, barrier, destroy, init_distributed
-from trainer.distributed import world_size_from_env
-from trainer.optim import resume_lr_scheduler
+from trainer.build import build_stage
+from trainer.distributed import (Topology, any_rank, barrier, destroy, init_distributed,
+                                 world_size_from_env)
+from trainer.environment import probe_environment
+from trainer.files import write_json
 from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
-from trainer.stages import build_stage
+from trainer.schema import ConfigError, ResolvedArgs
 from trainer.stages.base import NonFiniteError
 from trainer.tracking import MetricsWriter, Progress, WandbReporter
 from trainer.validation import run_validation, validation_due
@@ -84,7 +84,7 @@ def run(args: ResolvedArgs) -> int:
         return 1
     finally:
         if topo.is_main and out.is_dir():
-            _write_json(out / "run-result.json", result)
+            write_json(out / "run-result.json", result)
         destroy()
 
 
@@ -93,17 +93,17 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
     if args.deterministic:
         torch.use_deterministic_algorithms(True)
     if topo.is_main:
-        _write_json(out / "resolved-config.json", dict(args))
+        write_json(out / "resolved-config.json", dict(args))
         manifest = launch_manifest(topo)
         manifest["environment"] = probe_environment()
-        _write_json(out / "launch-manifest.json", manifest)
+        write_json(out / "launch-manifest.json", manifest)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     stage = build_stage(args, topo)
     # Noise, caption drop and conditioning draws differ per rank.
     torch.manual_seed(args.seed + 1_000_003 * (topo.rank + 1))
     manager = ckpt.CheckpointManager(out, save_total_limit=args.save_total_limit,
                                      async_save=args.async_checkpoint)
-    start_step = resume_or_warm_start(args, topo, out, stage)
+    start_step = run_state.resume_or_warm_start(args, topo, out, stage)
     result["step"] = start_step
     metrics = MetricsWriter(out, enabled=topo.is_main)
     metrics.truncate_after(start_step)
@@ -132,9 +132,9 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
                 window_start, window_samples = time.perf_counter(), 0
             progress.update(step, record)
             result["step"] = step
-            preempted = all_reduce_max(float(handler.requested)) > 0
+            preempted = any_rank(handler.requested)
             if preempted or step % args.save_interval == 0 or step == args.max_steps:
-                result["last_checkpoint"] = _save(manager, args, topo, stage, step)
+                result["last_checkpoint"] = run_state.save(manager, args, topo, stage, step)
                 last_saved = step
             if preempted:
                 status = "preempted"
@@ -142,7 +142,7 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
                             "for requeue", handler.signal_name, step, PREEMPTED_EXIT_CODE)
                 break
         if last_saved != step:
-            result["last_checkpoint"] = _save(manager, args, topo, stage, step)
+            result["last_checkpoint"] = run_state.save(manager, args, topo, stage, step)
     finally:
         manager.close()
         progress.close()
@@ -161,114 +161,6 @@ def _validate(stage, args: ResolvedArgs, step: int, out: Path, topo: Topology) -
             log.exception("validation at step %d failed; training goes on", step)
     barrier()
     return scores
-
-
-def resume_or_warm_start(args: ResolvedArgs, topo: Topology, out: Path, stage) -> int:
-    """Resume from output_dir's newest readable checkpoint, else warm start, else fresh.
-
-    Returns the step to continue after. Raises CheckpointError when checkpoints exist and none
-    loads (never a silent fresh start).
-    """
-    loaded: dict = {}
-
-    def load(path: Path) -> None:
-        loaded["state"], loaded["cursor"] = ckpt.load_checkpoint(
-            path, stage_members(stage), dp_rank=topo.dp_rank, dp_world=topo.dp_world,
-            cp_size=args.cp_size, resume_data_state=args.resume_data_state)
-
-    path = ckpt.find_resume_checkpoint(out, load)
-    if path is not None:
-        state = loaded["state"]
-        for name, sched_state in state.get("schedulers", {}).items():
-            changed = resume_lr_scheduler(stage.schedulers[name], sched_state)
-            if changed:
-                log.warning("%s: peak learning rate(s) changed since %s was saved (%s); the "
-                            "schedule goes on from step %d with the new value(s)", name,
-                            path.name, ", ".join(f"{old:g} -> {new:g}" for old, new in changed),
-                            state["step"])
-        stage.load_extra_state(state.get("extra", {}))
-        ckpt.restore_rng_state(state["rng"][str(topo.rank)] if str(topo.rank) in state["rng"]
-                               else state["rng"]["0"])
-        if loaded["cursor"] is not None:
-            stage.data.load_state_dict(loaded["cursor"])
-        else:
-            log.warning("resume_data_state is false: the data stream RESTARTS from the top; "
-                        "model, optimizer and schedule are resumed from %s", path)
-        log.info("resumed from %s (step %d)", path, state["step"])
-        _log_config_changes(path, args)
-        return int(state["step"])
-    # A multi-role stage (Stage2) names its sources in keys of its own and always warm starts.
-    if args.load_transformer_weights or getattr(stage, "needs_warm_start", False):
-        report = stage.warm_start(args)
-        if topo.is_main:
-            _write_json(out / "warm-start.json", report)
-        log.info("warm start from %s (%s weights): %d tensors loaded", report["source"],
-                 report.get("weights", args.pretrained_weights), len(report.get("loaded", [])))
-        return 0
-    log.info("no checkpoint in %s: starting fresh", out)
-    return 0
-
-
-def _log_config_changes(checkpoint: Path, args: ResolvedArgs) -> None:
-    """Warn, key by key, where this run's arguments differ from those that saved `checkpoint`."""
-    try:
-        saved = json.loads((checkpoint / "resolved-config.json").read_text())
-    except (OSError, ValueError):
-        return  # checkpoints written by other tools carry no config: nothing to compare
-    now = json.loads(json.dumps(dict(args), default=str))  # the saved file's JSON types
-
-    def shown(value) -> str:
-        text = json.dumps(value)
-        return text if len(text) <= 60 else text[:57] + "..."
-
-    changed = [f"{key} {shown(saved.get(key))} -> {shown(now.get(key))}"
-               for key in sorted(set(saved) | set(now)) if saved.get(key) != now.get(key)]
-    if changed:
-        log.warning("%s was saved with other arguments; this run uses: %s", checkpoint.name,
-                    "; ".join(changed))
-
-
-def stage_members(stage) -> dict[str, dict]:
-    """Everything DCP saves for a stage: model roles, optimizers, EMAs."""
-    members = {name: ckpt.model_state(model) for name, model in stage.model_members().items()}
-    if len(stage.optimizers) == 1:
-        (role, opt), = stage.optimizers.items()
-        members["optimizer"] = ckpt.optimizer_state(stage.roles[role], opt)
-    else:
-        members["optimizer"] = {role: ckpt.optimizer_state(stage.roles[role], opt)
-                                for role, opt in stage.optimizers.items()}
-    if len(stage.emas) == 1:
-        members["ema"] = next(iter(stage.emas.values())).state_dict()
-    elif stage.emas:
-        members["ema"] = {role: e.state_dict() for role, e in stage.emas.items()}
-    return members
-
-
-def _save(manager, args: ResolvedArgs, topo: Topology, stage, step: int) -> str:
-    rng = ckpt.capture_rng_state()
-    rng_all = _gather_rng(rng, topo)
-    training_state = {
-        "step": step,
-        "schedulers": {k: s.state_dict() for k, s in stage.schedulers.items()},
-        "rng": rng_all,
-        "extra": stage.extra_state(),
-    }
-    path = manager.save(step, members=stage_members(stage), training_state=training_state,
-                        dataloader_state=stage.data.state_dict(), dp_rank=topo.dp_rank,
-                        dp_world=topo.dp_world, world_size=topo.world_size,
-                        cp_size=args.cp_size, config_digest=args.digest(),
-                        model_config=model_config(args),
-                        extra_files={"resolved-config.json": json.dumps(dict(args), indent=2)})
-    return str(path)
-
-
-def _gather_rng(rng: dict, topo: Topology) -> dict:
-    """Every rank's RNG state, keyed by rank (rank 0 writes training_state.pt)."""
-    if not topo.distributed:
-        return {"0": rng}
-    gathered = [None] * topo.world_size
-    torch.distributed.all_gather_object(gathered, rng)
-    return {str(i): g for i, g in enumerate(gathered)}
 
 
 def _metrics_record(step: int, numbers: dict, step_time: float, samples: int, elapsed: float,
@@ -313,12 +205,6 @@ def _git_commit() -> str | None:
                               cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
-    os.replace(tmp, path)
 
 
 def _setup_logging() -> None:

@@ -15,9 +15,7 @@ error and training goes on.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -48,6 +46,7 @@ def validation_captions(count: int) -> list[str]:
 def run_validation(stage, args, step: int, output_dir: Path, latent_shape) -> dict:
     """Sample, score and save; returns metrics {"val/<weights>/colour_accuracy": ...}."""
     from trainer.evaluate import latents_to_frames, score_clips
+    from trainer.files import write_json
     from trainer.media import write_validation_files
     from trainer.sampling import sampler_for, sampler_settings, sampling_shift
 
@@ -85,9 +84,7 @@ def run_validation(stage, args, step: int, output_dir: Path, latent_shape) -> di
             metrics[f"val/{weights}/direction_accuracy"] = scores["direction_accuracy"]
     finally:
         model.train(was_training)
-    tmp = out / "manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2))
-    os.replace(tmp, out / "manifest.json")
+    write_json(out / "manifest.json", manifest)
     log.info("validation step %d: %s -> %s", step,
              ", ".join(f"{k} {v:.0%}" for k, v in metrics.items()), out)
     return metrics

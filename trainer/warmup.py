@@ -38,6 +38,7 @@ import torch
 from trainer.args import resolve_args
 from trainer.build import (build_model, build_score_models, build_text_encoder,
                            prepare_for_training, sample_latent_shape)
+from trainer.files import write_json
 from trainer.schema import ConfigError, ResolvedArgs, model_config
 
 log = logging.getLogger("relay")
@@ -250,14 +251,6 @@ def _pick_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _write_report(path: str, report: dict) -> None:
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, target)
-
-
 def main(argv: list[str] | None = None) -> int:
     """`python -m trainer.warmup --config X [--key value ...]`: warm up, print the report as
     JSON on stdout (logs go to stderr), also write it to $RELAY_WARMUP_REPORT when set.
@@ -285,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     path = os.environ.get(REPORT_ENV)
     if path:
         try:
-            _write_report(path, report)
+            write_json(path, report)
         except OSError as exc:
             log.error("cannot write %s=%s: %s", REPORT_ENV, path, exc)
             code = code or 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -20,6 +21,18 @@ from torch import nn
 
 class NonFiniteError(RuntimeError):
     """A loss or gradient norm that is not finite; raised before the optimizer step."""
+
+
+@dataclass(frozen=True)
+class WarmStartSource:
+    """Weights a stage starts from when its output_dir has no checkpoint: `role` (a key of
+    Stage.roles) is loaded from `path` (trainer.warm_start's kinds of path) by trainer.run_state."""
+
+    role: str
+    path: str
+    weights: str  # live | ema
+    allow_missing: tuple[str, ...] = ()
+    allow_unexpected: tuple[str, ...] = ()
 
 
 class Stage(abc.ABC):
@@ -37,7 +50,17 @@ class Stage(abc.ABC):
     def sampling_model(self, weights: str = "live") -> nn.Module:
         """The module to sample from (the EMA is swapped in by the caller)."""
 
-    # --- checkpoint members ---------------------------------------------------------------
+    # --- warm start and checkpoint members -----------------------------------------------
+    def warm_start_sources(self) -> list[WarmStartSource]:
+        """What to load before the first step when there is nothing to resume (default: none)."""
+        return []
+
+    def after_warm_start(self, reports: dict[str, dict]) -> None:
+        """Called with each role's load report once every source is loaded: EMAs restart from
+        the loaded weights. A stage may check or complete what was loaded here."""
+        for role, ema in self.emas.items():
+            ema.reset(self.roles[role])
+
     def model_members(self) -> dict[str, nn.Module]:
         return dict(self.roles)
 

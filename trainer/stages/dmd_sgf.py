@@ -25,7 +25,7 @@ from torch import nn
 from trainer import flow
 from trainer.distributed import average_gradients
 from trainer.stages import rollout as ro
-from trainer.stages.base import Stage, autocast_context, clip_and_check
+from trainer.stages.base import Stage, WarmStartSource, autocast_context, clip_and_check
 
 N = flow.NUM_TRAIN_TIMESTEPS
 
@@ -171,7 +171,6 @@ class DMDSGFStage(Stage):
     name = "dmd_sgf"
     # train.py warm-starts this stage from its three *_init_path keys whenever output_dir has
     # no checkpoint (it has no pretrained_transformer_path / load_transformer_weights).
-    needs_warm_start = True
 
     def __init__(self, student: nn.Module, teacher: nn.Module, critic: nn.Module, optimizers,
                  schedulers, ema, data, args, text_encoder, device: torch.device,
@@ -335,28 +334,15 @@ class DMDSGFStage(Stage):
         return batch
 
     # ---- init, checkpoints, sampling -------------------------------------------------------
-    def warm_start(self, args) -> dict:
-        """Load the three roles from their *_init_path sources (weights only); the student
-        drops exactly r_embedder.* (plus warm_start_allow_unexpected). Returns a report with
-        one entry per role. Raises CheckpointError from the first source that does not fit."""
-        from trainer.checkpoint import load_warm_start
-
-        reports = {}
-        for role in ROLES:
-            dropped = STUDENT_DROPPED_KEYS if role == "student" else ()
-            reports[role] = load_warm_start(
-                args[f"{role}_init_path"], self.roles[role],
-                weights=args[f"{role}_init_weights"],
-                allow_missing=args.warm_start_allow_missing,
-                allow_unexpected=(*dropped, *args.warm_start_allow_unexpected))
-        for ema in self.emas.values():
-            ema.reset(self.student)
-        return {
-            "source": "; ".join(f"{role} {r['source']}" for role, r in reports.items()),
-            "weights": ", ".join(f"{role} {args[f'{role}_init_weights']}" for role in ROLES),
-            "loaded": [f"{role}/{key}" for role, r in reports.items() for key in r["loaded"]],
-            "roles": reports,
-        }
+    def warm_start_sources(self) -> list[WarmStartSource]:
+        """The three roles from their *_init_path sources; the student drops exactly
+        r_embedder.* (plus warm_start_allow_unexpected). Stage2 always starts this way."""
+        args = self.args
+        return [WarmStartSource(
+            role, args[f"{role}_init_path"], args[f"{role}_init_weights"],
+            tuple(args.warm_start_allow_missing),
+            (*(STUDENT_DROPPED_KEYS if role == "student" else ()),
+             *args.warm_start_allow_unexpected)) for role in ROLES]
 
     def extra_state(self) -> dict:
         state = super().extra_state()

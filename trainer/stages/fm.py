@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from trainer import flow
-from trainer.stages.base import (Stage, autocast_context, batch_to_device, clip_and_check,
+from trainer.stages.base import (Stage, WarmStartSource, autocast_context, batch_to_device, clip_and_check,
                                   learning_rates)
 
 
@@ -138,17 +138,14 @@ class FlowMatchingStage(Stage):
         """One step's diagnostics from its micro-batches' (FM logs the last micro-batch's)."""
         return stats[-1]
 
-    def warm_start(self, args) -> dict:
-        """Load pretrained transformer weights (a fresh optimizer, schedule and data cursor)."""
-        from trainer.checkpoint import load_warm_start
-
-        report = load_warm_start(args.pretrained_transformer_path, self.model,
-                                 weights=args.pretrained_weights,
-                                 allow_missing=args.warm_start_allow_missing,
-                                 allow_unexpected=args.warm_start_allow_unexpected)
-        for ema in self.emas.values():
-            ema.reset(self.model)
-        return report
+    def warm_start_sources(self) -> list[WarmStartSource]:
+        """The pretrained transformer, when load_transformer_weights asks for one."""
+        args = self.args
+        if not args.load_transformer_weights:
+            return []
+        return [WarmStartSource("transformer", args.pretrained_transformer_path,
+                                args.pretrained_weights, tuple(args.warm_start_allow_missing),
+                                tuple(args.warm_start_allow_unexpected))]
 
     def num_tokens(self, batch: dict) -> int:
         pt, ph, pw = self.model.config["patch_size"]

@@ -19,6 +19,7 @@ with the KV cache for a causal model, committing each finished chunk clean.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, NamedTuple
 
 import torch
@@ -26,6 +27,8 @@ from torch import nn
 
 from trainer import flow
 from trainer.distributed import gather_across_ranks, sum_across_ranks
+from trainer.checkpoint_layout import CheckpointError
+from trainer.stages.base import WarmStartSource
 from trainer.stages.fm import FlowMatchingStage, build_optimization, sample_condition_frames
 
 N = flow.NUM_TRAIN_TIMESTEPS
@@ -375,58 +378,28 @@ class TFAnyFlowStage(FlowMatchingStage):
     def merge_stats(stats: list[dict]) -> dict:
         return _merge_stats(stats)
 
-    def warm_start(self, args) -> dict:
-        """Load the FM (SFT) weights with E_r := E_t (`load_two_time_weights`); the EMA
-        restarts from them. Returns the load report. Raises CheckpointError."""
-        report = load_two_time_weights(
-            self.model, args.pretrained_transformer_path, weights=args.pretrained_weights,
-            allow_missing=args.warm_start_allow_missing,
-            allow_unexpected=args.warm_start_allow_unexpected)
-        for ema in self.emas.values():
-            ema.reset(self.model)
-        return report
+    def warm_start_sources(self) -> list[WarmStartSource]:
+        """The FM (SFT) weights; a source without E_r (r_embedder.*) gets E_t's copy (§6.1)."""
+        return [dataclasses.replace(source, allow_missing=(*source.allow_missing, "r_embedder.*"))
+                for source in super().warm_start_sources()]
 
-
-def load_two_time_weights(model: nn.Module, path, *, weights: str, allow_missing=(),
-                          allow_unexpected=()) -> dict:
-    """Warm-start a two-time model from FM weights: E_r := copy of E_t when the source has no
-    r_embedder.* (§6.1); a source that holds them (a Stage1 checkpoint) keeps its E_r.
-
-    The model is built from the Stage1 config (two_time: true), so its config is already the
-    one relay sample rebuilds. Returns load_warm_start's report plus "r_embedder" ("copied
-    from time_embedder" | "loaded"). Raises CheckpointError for a source that does not fit,
-    or that holds only some of the r_embedder tensors.
-    """
-    from trainer.checkpoint import CheckpointError, load_warm_start
-
-    report = load_warm_start(path, model, weights=weights,
-                             allow_missing=[*allow_missing, "r_embedder.*"],
-                             allow_unexpected=allow_unexpected)
-    r_keys = {k for k in model.state_dict() if k.startswith("r_embedder.")}
-    missing_r = r_keys & set(report["missing"] + report["skipped_shape_mismatch"])
-    if missing_r and missing_r != r_keys:
-        raise CheckpointError(
-            f"warm start from {report['source']} holds only some of the r_embedder tensors "
-            f"(missing {sorted(missing_r)}); E_r must come whole from the source or be copied "
-            f"whole from E_t.")
-    if missing_r:
-        copy_time_embedding(model)
-        report["r_embedder"] = "copied from time_embedder"
-    else:
-        report["r_embedder"] = "loaded"
-    return report
-
-
-@torch.no_grad()
-def copy_time_embedding(model: nn.Module) -> None:
-    """E_r := E_t in place (§6.1), so u(x, t, t) equals the FM model exactly afterwards.
-
-    The same state as VideoDiT.enable_two_time, for a model that was built two-time (its
-    config already says two_time: true). Raises ValueError for a single-time model.
-    """
-    if getattr(model, "r_embedder", None) is None:
-        raise ValueError("the model has no r_embedder: build it with two_time: true")
-    model.r_embedder.load_state_dict(model.time_embedder.state_dict())
+    def after_warm_start(self, reports: dict[str, dict]) -> None:
+        """E_r := E_t when the source had no r_embedder.*; a source that holds them (a Stage1
+        checkpoint) keeps its E_r, and one holding only some of them is refused. Records which
+        in the report ("r_embedder": "copied from time_embedder" | "loaded")."""
+        report = reports["transformer"]
+        r_keys = {k for k in self.model.state_dict() if k.startswith("r_embedder.")}
+        missing_r = r_keys & set(report["missing"] + report["skipped_shape_mismatch"])
+        if missing_r and missing_r != r_keys:
+            raise CheckpointError(
+                f"warm start from {report['source']} holds only some of the r_embedder tensors "
+                f"(missing {sorted(missing_r)}); E_r must come whole from the source or be "
+                f"copied whole from E_t.")
+        if missing_r:
+            with torch.no_grad():
+                self.model.r_embedder.load_state_dict(self.model.time_embedder.state_dict())
+        report["r_embedder"] = "copied from time_embedder" if missing_r else "loaded"
+        super().after_warm_start(reports)
 
 
 def _merge_stats(stats: list[dict]) -> dict:

@@ -1,0 +1,19 @@
+"""Small files every part of relay writes (no torch here): JSON that is replaced atomically, so a
+reader (`relay status`, a resumed job, a user's script) sees the old file or the new one, never
+half of one."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def write_json(path: str | os.PathLike, data: Any) -> None:
+    """Write `data` as indented JSON to `path` (creating its directory) via a temp file + rename."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, target)
