@@ -15,5 +15,5 @@ def write_json(path: str | os.PathLike, data: Any) -> None:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
     os.replace(tmp, target)
