@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.distributed import Topology, barrier
+from trainer.distributed import Topology, barrier, wrap_for_training
 from trainer.schema import ResolvedArgs, model_config
 
 
@@ -97,17 +97,79 @@ def sample_latent_shape(args: ResolvedArgs) -> tuple[int, int, int, int]:
 
 
 def build_stage(args: ResolvedArgs, topo: Topology):
-    """The stage object for args.stage, with its models, optimizers, schedulers and data."""
-    if args.stage == "fm":
-        from trainer.stages.fm import build_fm_stage
+    """The stage object for args.stage, with its models, optimizers, schedulers and data.
 
-        return build_fm_stage(args, topo)
-    if args.stage == "tf_anyflow":
-        from trainer.stages.tf_anyflow import build_tf_anyflow_stage
+    Weights are random here: trainer.run_state then resumes or warm starts them.
+    """
+    builders = {"fm": _fm_stage, "tf_anyflow": _tf_anyflow_stage, "dmd_sgf": _dmd_sgf_stage}
+    return builders[args.stage](args, topo)  # the schema's choices name only these
 
-        return build_tf_anyflow_stage(args, topo)
-    if args.stage == "dmd_sgf":
-        from trainer.stages.dmd_sgf import build_dmd_sgf_stage
 
-        return build_dmd_sgf_stage(args, topo)
-    raise ValueError(f"unknown stage {args.stage!r}")  # the schema's choices make this unreachable
+def _fm_stage(args: ResolvedArgs, topo: Topology):
+    """Pretrain / SFT: one transformer, its optimizer, schedule and EMA."""
+    from trainer.stages.fm import FlowMatchingStage
+
+    model = prepare_for_training(build_model(args, topo.device), args)
+    optimizer, scheduler = _optimization(args, model, max_steps=args.max_steps)
+    return FlowMatchingStage(model, wrap_for_training(model, topo), optimizer, scheduler,
+                             _ema(args, model), build_data(args, topo), args,
+                             build_text_encoder(args), topo.device, dp_rank=topo.dp_rank,
+                             dp_world=topo.dp_world)
+
+
+def _tf_anyflow_stage(args: ResolvedArgs, topo: Topology):
+    """Stage1: the causal two-time transformer, trained through its teacher-forcing forward."""
+    from trainer.stages.tf_anyflow import TeacherForcingForward, TFAnyFlowStage
+
+    model = prepare_for_training(build_model(args, topo.device), args)
+    optimizer, scheduler = _optimization(args, model, max_steps=args.max_steps)
+    return TFAnyFlowStage(model, wrap_for_training(TeacherForcingForward(model), topo), optimizer,
+                          scheduler, _ema(args, model), build_data(args, topo), args,
+                          build_text_encoder(args), topo.device, dp_rank=topo.dp_rank,
+                          dp_world=topo.dp_world)
+
+
+def _dmd_sgf_stage(args: ResolvedArgs, topo: Topology):
+    """Stage2: student, frozen teacher and critic; the student's and the critic's optimizers."""
+    from trainer.stages.dmd_sgf import DMDSGFStage, student_updates_through
+
+    student = prepare_for_training(build_model(args, topo.device), args)
+    teacher, critic = build_score_models(args, topo.device)
+    # Each schedule counts its own role's updates: the student's runs over the student updates
+    # the run will make, the critic's over every outer step.
+    student_steps = max(1, student_updates_through(args.max_steps, args.generator_update_interval))
+    student_opt, student_sched = _optimization(args, student, max_steps=student_steps)
+    critic_opt, critic_sched = _optimization(
+        args, critic, max_steps=args.max_steps, use_muon=False,
+        learning_rate=args.critic_learning_rate,
+        betas=(args.critic_adam_beta1, args.critic_adam_beta2))
+    return DMDSGFStage(student, teacher, critic, {"student": student_opt, "critic": critic_opt},
+                       {"student": student_sched, "critic": critic_sched}, _ema(args, student),
+                       build_data(args, topo), args, build_text_encoder(args), topo.device,
+                       dp_world=topo.dp_world)
+
+
+def _optimization(args: ResolvedArgs, model: torch.nn.Module, *, max_steps: int,
+                  use_muon: bool | None = None, learning_rate: float | None = None,
+                  betas: tuple[float, float] | None = None):
+    """(optimizer, LR scheduler) of one trained role from the training keys; a role with its
+    own keys (Stage2's critic) passes them instead."""
+    from trainer.optim import build_lr_scheduler, build_optimizer
+
+    optimizer = build_optimizer(
+        model, use_muon=args.use_muon if use_muon is None else use_muon,
+        learning_rate=args.learning_rate if learning_rate is None else learning_rate,
+        muon_learning_rate=args.muon_learning_rate, weight_decay=args.weight_decay,
+        betas=betas or (args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+    scheduler = build_lr_scheduler(
+        optimizer, lr_scheduler_type=args.lr_scheduler_type, warmup_steps=args.warmup_steps,
+        max_steps=max_steps, lr_decay_steps=args.lr_decay_steps,
+        lr_decay_floor_ratio=args.lr_decay_floor_ratio)
+    return optimizer, scheduler
+
+
+def _ema(args: ResolvedArgs, model: torch.nn.Module):
+    from trainer.ema import EMA
+
+    return (EMA(model, args.ema_decay, start=args.ema_start_step,
+                update_every=args.ema_update_every) if args.use_ema else None)

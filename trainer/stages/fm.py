@@ -154,34 +154,3 @@ class FlowMatchingStage(Stage):
 
     def sampling_model(self, weights: str = "live") -> nn.Module:
         return self.model
-
-
-
-def build_optimization(args, model: nn.Module):
-    """(optimizer, LR scheduler, EMA or None) of a single-role stage, from the training keys."""
-    from trainer.ema import EMA
-    from trainer.optim import build_lr_scheduler, build_optimizer
-
-    optimizer = build_optimizer(
-        model, use_muon=args.use_muon, learning_rate=args.learning_rate,
-        muon_learning_rate=args.muon_learning_rate, weight_decay=args.weight_decay,
-        betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
-    scheduler = build_lr_scheduler(
-        optimizer, lr_scheduler_type=args.lr_scheduler_type, warmup_steps=args.warmup_steps,
-        max_steps=args.max_steps, lr_decay_steps=args.lr_decay_steps,
-        lr_decay_floor_ratio=args.lr_decay_floor_ratio)
-    ema = (EMA(model, args.ema_decay, start=args.ema_start_step,
-               update_every=args.ema_update_every) if args.use_ema else None)
-    return optimizer, scheduler, ema
-
-
-def build_fm_stage(args, topo) -> FlowMatchingStage:
-    """Model, optimizer, LR schedule, EMA and data for pretrain / SFT."""
-    from trainer.build import build_data, build_model, build_text_encoder, prepare_for_training
-    from trainer.distributed import wrap_for_training
-
-    model = prepare_for_training(build_model(args, topo.device), args)
-    optimizer, scheduler, ema = build_optimization(args, model)
-    return FlowMatchingStage(model, wrap_for_training(model, topo), optimizer, scheduler, ema,
-                             build_data(args, topo), args, build_text_encoder(args), topo.device,
-                             dp_rank=topo.dp_rank, dp_world=topo.dp_world)

@@ -29,7 +29,7 @@ from trainer import flow
 from trainer.distributed import gather_across_ranks, sum_across_ranks
 from trainer.checkpoint_layout import CheckpointError
 from trainer.stages.base import WarmStartSource
-from trainer.stages.fm import FlowMatchingStage, build_optimization, sample_condition_frames
+from trainer.stages.fm import FlowMatchingStage, sample_condition_frames
 
 N = flow.NUM_TRAIN_TIMESTEPS
 
@@ -421,18 +421,6 @@ def _merge_stats(stats: list[dict]) -> dict:
     if refs:
         out["diffusion_reference"] = sum(refs) / len(refs)
     return out
-
-
-def build_tf_anyflow_stage(args, topo) -> TFAnyFlowStage:
-    """Model, optimizer, LR schedule, EMA and data for Stage1 (args checked by trainer.stage_checks)."""
-    from trainer.build import build_data, build_model, build_text_encoder, prepare_for_training
-    from trainer.distributed import wrap_for_training
-
-    model = prepare_for_training(build_model(args, topo.device), args)
-    optimizer, scheduler, ema = build_optimization(args, model)
-    return TFAnyFlowStage(model, wrap_for_training(TeacherForcingForward(model), topo), optimizer,
-                          scheduler, ema, build_data(args, topo), args, build_text_encoder(args),
-                          topo.device, dp_rank=topo.dp_rank, dp_world=topo.dp_world)
 
 
 # ---------------------------------------------------------------------------------------------
