@@ -29,7 +29,6 @@ problem found, so nothing is submitted until the whole pipeline is right.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import os
 import re
@@ -39,6 +38,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
+
+from trainer.schema import closest_key
 
 PIPELINE_KEYS = ("name", "root", "cluster", "stages")
 STAGE_KEYS = ("config", "overrides", "output_dir", "resources", "job_name")
@@ -195,14 +196,8 @@ class Pipeline:
 # Small pure helpers (the unit tests live here)
 # ---------------------------------------------------------------------------------------------
 
-def closest(name: str, candidates) -> str | None:
-    """The candidate closest to `name`, or None when nothing is close."""
-    match = difflib.get_close_matches(str(name), [str(c) for c in candidates], n=1, cutoff=0.5)
-    return match[0] if match else None
-
-
 def _unknown(where: str, key: str, valid) -> str:
-    guess = closest(key, valid)
+    guess = closest_key(str(key), [str(v) for v in valid])
     hint = f" Did you mean `{guess}`?" if guess else ""
     return f"{where}: unknown key `{key}`.{hint} Valid keys: {', '.join(valid)}."
 
@@ -283,7 +278,7 @@ def select_stages(names: list[str], *, from_stage: str | None = None,
     if wanted is None:
         return list(names)
     if wanted not in names:
-        guess = closest(wanted, names)
+        guess = closest_key(str(wanted), [str(n) for n in names])
         hint = f" Did you mean `{guess}`?" if guess else ""
         raise PipelineError(f"no stage named `{wanted}`.{hint} Stages: {', '.join(names)}.")
     if only:

@@ -96,7 +96,8 @@ def read_progress(output_dir: str | os.PathLike, max_steps: int | None = None) -
     step = metrics.get("step") if metrics else None
     if result and isinstance(result.get("step"), int) and (step is None or result["step"] > step):
         step = result["step"]
-    loss = metrics.get("loss") if metrics else None
+    # Stage2 has no single loss: its student (generator) loss is the one to watch.
+    loss = metrics.get("loss", metrics.get("generator_loss")) if metrics else None
     try:
         checkpoints = list_checkpoints(out)
     except OSError:

@@ -175,11 +175,6 @@ def sample_training_sigma(
     return shift_sigma(u, shift)
 
 
-def to_raw_timestep(sigma: torch.Tensor) -> torch.Tensor:
-    """Return the raw timestep N * sigma that the timestep embedder receives (§1.1)."""
-    return sigma * NUM_TRAIN_TIMESTEPS
-
-
 def sampling_sigmas(num_steps: int, shift: float = 1.0, *,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Noise levels of a `num_steps`-step sampler: S(1 - k/n; shift) for k = 0..n.

@@ -208,7 +208,6 @@ class DMDSGFStage(Stage):
         numbers.update(critic)
         numbers.update(self.last_generator)
         numbers.update({
-            "loss": critic["critic_loss"],  # the every-step number; generator_loss is below
             "student_updates": self.student_updates,
             "lr": self.optimizers["student"].param_groups[0]["lr"],
             "samples": samples,
