@@ -136,7 +136,7 @@ def test_dicts_lists_booleans_and_null(tmp_path):
 data:
   data_path: {{{d1}: 1, {d2}: 3}}
 model:
-  transformer_config_overrides: {{hidden_size: 64, patch_size: [1, 2, 2]}}
+  transformer_config_overrides: {{hidden_size: 48, rope_axes_dim: [4, 4, 4], patch_size: [1, 2, 2]}}
   warm_start_allow_missing: ["r_embedder.*"]
 training:
   lr_decay_steps: null
@@ -147,7 +147,8 @@ output:
     args = resolve(["--config", cfg, "--lr_decay_steps", "7", "--warm_start_allow_unexpected",
                     "[a.*, b]", "--wandb_run_name", "null"])
     assert args.data_path == {str(d1): 1, str(d2): 3}
-    assert args.transformer_config_overrides == {"hidden_size": 64, "patch_size": [1, 2, 2]}
+    assert args.transformer_config_overrides == {"hidden_size": 48, "rope_axes_dim": [4, 4, 4],
+                                                 "patch_size": [1, 2, 2]}
     assert args.warm_start_allow_missing == ["r_embedder.*"]
     assert args.warm_start_allow_unexpected == ["a.*", "b"]
     assert args.lr_decay_steps == 7 and args.deterministic is True
@@ -275,9 +276,9 @@ def test_dry_run_prints_resolved_json_with_cli_override():
 
 
 def test_module_entry_point_matches_script_entry_point():
-    by_script = run_train("--config", "config/tiny/sft.yaml", "--dry-run")
+    by_script = run_train("--config", "config/tiny/pretrain.yaml", "--dry-run")
     by_module = subprocess.run([sys.executable, "-m", "trainer.train", "--config",
-                                "config/tiny/sft.yaml", "--dry-run"], cwd=ROOT,
+                                "config/tiny/pretrain.yaml", "--dry-run"], cwd=ROOT,
                                capture_output=True, text=True, timeout=120)
     assert by_script.returncode == 0 and by_module.returncode == 0, by_module.stderr
     assert json.loads(by_script.stdout) == json.loads(by_module.stdout)

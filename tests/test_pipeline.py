@@ -253,7 +253,8 @@ def test_stage_resources_override_cluster_defaults():
     ("learning_rate", 1e-5), ("learning_rate", 3.0e-4), ("max_steps", 700), ("use_ema", False),
     ("wandb_run_name", "123"), ("wandb_run_name", "--weird name; $(x)"), ("lr_decay_steps", None),
     ("warm_start_allow_missing", ["r_embedder.*", "a b"]), ("synthetic_seed", 0),
-    ("transformer_config_overrides", {"hidden_size": 64, "mlp_ratio": 1e-6, "patch_size": [1, 2, 2],
+    ("transformer_config_overrides", {"hidden_size": 48, "rope_axes_dim": [4, 4, 4], "mlp_ratio": 1e-6,
+                                      "patch_size": [1, 2, 2],
                                       "causal_chunk_size": None}),
     ("data_path", "relative/dir"), ("data_path", {"a/b": 2, "c": 1}),
 ])

@@ -199,6 +199,10 @@ def load_yaml_config(path: str | os.PathLike) -> dict[str, Any]:
         origin[key] = f"section `{section}`" if section else "the top level"
 
     for top, value in raw.items():
+        if str(top) in SECTIONS and not isinstance(value, dict):
+            raise ConfigError(
+                f"{path}: `{top}` is a section and must hold keys (e.g. `{top}:` followed by "
+                f"indented `key: value` lines), but it holds {value!r}. Indent the keys under it.")
         if isinstance(value, dict) and top not in ARGS and top not in LEGACY_KEYS:
             for key, inner in value.items():
                 put(str(key), inner, str(top))
@@ -331,12 +335,13 @@ def merge_args(yaml_values: dict[str, Any], cli_values: dict[str, Any]) -> Resol
 
 def resolve_config(config: str | None, overrides: list[str] | dict[str, Any] = (), *,
                    world_size: int | None = None, cwd: str | os.PathLike | None = None,
-                   check_paths: bool = True) -> ResolvedArgs:
+                   check_paths: bool = True, check_weights: bool = False) -> ResolvedArgs:
     """Resolve a YAML plus overrides exactly as train.py does. Raises ConfigError.
 
     `overrides` is either the command-line tokens (["--learning_rate", "3e-4"]) or a mapping of
     already-typed values (the launcher's pipeline YAML). Relative paths are made absolute against
-    `cwd` (default: the current directory).
+    `cwd` (default: the current directory). check_weights also checks that the weights a warm
+    start would read exist (for a run started on its own; a pipeline checks its own chain).
     """
     if isinstance(overrides, dict):
         cli = {}
@@ -351,7 +356,8 @@ def resolve_config(config: str | None, overrides: list[str] | dict[str, Any] = (
     args = merge_args(yaml_values, cli)
     args["config"] = str(Path(config).resolve()) if config else None
     _absolute_paths_skip_config(args, Path(cwd) if cwd else Path.cwd())
-    validate_args(args, world_size=world_size, check_paths=check_paths)
+    validate_args(args, world_size=world_size, check_paths=check_paths,
+                  check_weights=check_weights)
     return args
 
 
@@ -366,7 +372,7 @@ def resolve_args(argv: list[str] | None = None, *, world_size: int | None = None
     argv = sys.argv[1:] if argv is None else argv
     config, dry_run, _ = parse_cli(argv)
     cli_tokens = _strip_meta_flags(argv)
-    return resolve_config(config, cli_tokens, world_size=world_size), dry_run
+    return resolve_config(config, cli_tokens, world_size=world_size, check_weights=True), dry_run
 
 
 def _strip_meta_flags(argv: list[str]) -> list[str]:

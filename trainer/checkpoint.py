@@ -52,6 +52,7 @@ from trainer.checkpoint_layout import (
     COMPLETE_FILE,
     DATALOADER_DIR,
     QUARANTINE_REASON_FILE,
+    describe_load_error,
     RESOLVED_CONFIG_FILE,
     TRAINING_STATE_FILE,
     CheckpointError,
@@ -639,13 +640,8 @@ def load_checkpoint(
     try:
         payload = torch.load(path / TRAINING_STATE_FILE, map_location="cpu", weights_only=True)
     except Exception as exc:
-        # torch's message for a garbled file advises weights_only=False: keep only the cause.
-        text = str(exc)
-        if "WeightsUnpickler error:" in text:
-            text = text.split("WeightsUnpickler error:", 1)[1]
-        cause = next((line.strip() for line in text.splitlines() if line.strip()), "")[:200]
         raise CheckpointError(f"{path / TRAINING_STATE_FILE} is unreadable "
-                              f"({type(exc).__name__}: {cause})") from exc
+                              f"({describe_load_error(exc)})") from exc
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path / TRAINING_STATE_FILE} is not a training state of format {CHECKPOINT_FORMAT}")
     cursor = None

@@ -269,3 +269,20 @@ def write_durably(path: Path, data: bytes) -> None:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def describe_load_error(exc: BaseException) -> str:
+    """One line saying why torch.load(weights_only=True) refused or failed on a file.
+
+    torch's message for a file that holds code opens with advice to retry with
+    weights_only=False, which would run that code; relay never does that, so the message keeps
+    only the cause (the blocked global, or the first line that is not that advice).
+    """
+    lines = [line.strip() for line in str(exc).replace("WeightsUnpickler error:", "\n").splitlines()
+             if line.strip()]
+    blocked = [line for line in lines if "global" in line.lower()]
+    cause = (blocked or [line for line in lines if "weights_only" not in line] or [""])[0]
+    if blocked:
+        cause = (f"{cause[:200]} (the file holds code, not only tensors; relay loads with "
+                 f"weights_only=True and never runs it)")
+    return f"{type(exc).__name__}: {cause[:300]}"

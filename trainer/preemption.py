@@ -11,10 +11,12 @@ or corrupt state. The loop polls `requested`, agrees with every rank through
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import threading
 import time
 from types import FrameType
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 
 # sysexits.h EX_TEMPFAIL: "temporary failure, the user is invited to retry". Deliberately not
@@ -107,4 +109,27 @@ __all__ = [
     "DEFAULT_SIGNALS",
     "PREEMPTED_EXIT_CODE",
     "PreemptionHandler",
+    "interrupts_deferred",
 ]
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) that arrives inside the block until the block ends.
+
+    A checkpoint save cut in half is lost work: the save finishes and is published, then the
+    KeyboardInterrupt is raised. Only the default handler is deferred (a run whose
+    preemption_signal is SIGINT keeps its own), and only in the main thread.
+    """
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt

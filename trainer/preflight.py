@@ -8,12 +8,25 @@ trainer.stage_checks and are called from here only.
 
 from __future__ import annotations
 
+import os
+import re
+import tempfile
 import warnings
 from pathlib import Path
 
 from trainer import stage_checks
-from trainer.model_config import MODEL_CONFIG_DEFAULTS
-from trainer.schema import ConfigError, ResolvedArgs, closest_key, model_config
+from trainer.checkpoint_layout import CheckpointError, list_checkpoints
+from trainer.model_config import MODEL_CONFIG_DEFAULTS, DiTConfig
+from trainer.schema import ARGS, ConfigError, ResolvedArgs, closest_key, model_config
+from trainer.weights_source import resolve_weights_source
+
+# What example configs write where a user must put their own value.
+PLACEHOLDER = re.compile(r"/path/to/|<[A-Za-z][A-Za-z0-9_ .-]*>|\bchangeme\b", re.IGNORECASE)
+# The warm-start paths each stage reads, with the key naming which weights (live | ema).
+WEIGHT_KEYS = {"fm": (("pretrained_transformer_path", "pretrained_weights"),),
+               "tf_anyflow": (("pretrained_transformer_path", "pretrained_weights"),),
+               "dmd_sgf": tuple((f"{role}_init_path", f"{role}_init_weights")
+                                for role in ("student", "teacher", "critic"))}
 
 
 def _check(condition: bool, message: str) -> None:
@@ -22,11 +35,14 @@ def _check(condition: bool, message: str) -> None:
 
 
 def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
-                  check_paths: bool = True) -> None:
+                  check_paths: bool = True, check_weights: bool = False) -> None:
     """Reject contradictions before any model or process group exists. Raises ConfigError.
 
     world_size: the number of ranks the run will have (train.py passes WORLD_SIZE; the launcher
     passes nodes x gpus_per_node) so topology and batch arithmetic are checked early.
+    check_paths: the data, the output_dir and example placeholders are checked on this machine.
+    check_weights: the weights a warm start would read exist (train.py and a stage run alone;
+    a pipeline checks its own chain, where an earlier stage may still have to write them).
     """
     overrides = args.transformer_config_overrides
     _check(args.output_dir is not None,
@@ -74,8 +90,16 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
                "`synthetic_data: true` needs `data_path` to be one directory, not a mapping.")
         for directory, repeat in args.data_path.items():
             _check(repeat >= 1, f"data_path: repeat count of {directory} must be >= 1, got {repeat}.")
+    _check(args.legacy_eager_mode,
+           "`legacy_eager_mode: false` asks for the seed trainer's CUDA-graph mode, which relay does "
+           "not have: relay runs eager PyTorch (with torch.compile per block when "
+           "compile_transformer is set). Set legacy_eager_mode: true or remove the key.")
     if check_paths:
+        _validate_placeholders(args)
         _validate_paths(args)
+        _validate_output_dir(args)
+    if check_weights:
+        _validate_weight_sources(args)
     _validate_model_overrides(args)
     _validate_topology(args, world_size)
     stage_checks.validate_stage(args)
@@ -85,9 +109,10 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
         except ImportError:
             raise ConfigError("`report_to: wandb` but the wandb package is not installed. "
                               "pip install wandb, or set report_to: none.") from None
-    if args.cp_size > 1 or args.hybrid_shard:
-        warnings.warn("cp_size > 1 and hybrid_shard are validated but not implemented yet: the "
-                      "run will refuse to start. Use cp_size: 1 and hybrid_shard: false.")
+    _check(args.cp_size == 1 and not args.hybrid_shard,
+           f"cp_size {args.cp_size} / hybrid_shard {str(args.hybrid_shard).lower()}: context "
+           f"parallel and hybrid sharding are not implemented in this version of relay, so the "
+           f"job would refuse to start on the cluster. Use cp_size: 1 and hybrid_shard: false.")
 
 
 def _validate_paths(args: ResolvedArgs) -> None:
@@ -109,6 +134,70 @@ def _validate_model_overrides(args: ResolvedArgs) -> None:
             raise ConfigError(
                 f"transformer_config_overrides: unknown model argument `{key}`.{hint} Valid: "
                 f"{', '.join(sorted(MODEL_CONFIG_DEFAULTS))}.")
+    try:
+        DiTConfig(**model_config(args))  # the checks the model constructor would make
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"transformer_config_overrides cannot build a model: {exc}. Fix the "
+                          f"architecture in the YAML's model section.") from None
+
+
+def _validate_placeholders(args: ResolvedArgs) -> None:
+    """Refuse an example's placeholder (/path/to/..., <PATH_TO_X>, changeme) in a used field."""
+    for key, value in args.items():
+        arg = ARGS.get(key)
+        if arg is None or arg.kind not in ("path", "str", "path_or_dict") or value is None:
+            continue
+        for text in ([value] if isinstance(value, str) else list(value)):
+            if PLACEHOLDER.search(str(text)):
+                raise ConfigError(
+                    f"`{key}` still holds an example placeholder ({text}). Replace it with a real "
+                    f"value before running (the example configs ship placeholders on purpose).")
+
+
+def _validate_output_dir(args: ResolvedArgs) -> None:
+    out = Path(args.output_dir)
+    _check(not out.exists() or out.is_dir(),
+           f"output_dir {out} exists and is not a directory. Point output_dir at a directory "
+           f"(it is created if missing).")
+    existing = out
+    while not existing.exists():
+        existing = existing.parent
+    _check(_writable(existing),
+           f"output_dir {out} cannot be written ({existing} is read-only or not writable by "
+           f"this user): checkpoints, metrics and samples go there. Choose a writable directory.")
+
+
+def _writable(directory: Path) -> bool:
+    """Whether a file can be created in `directory`. Permission bits do not tell for root or
+    for every read-only mount, so a probe file is created and removed at once."""
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return False
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".relay-write-probe-", dir=directory)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
+
+
+def _validate_weight_sources(args: ResolvedArgs) -> None:
+    """The weights a warm start reads must exist, unless the run resumes from its own checkpoint."""
+    if args.stage == "fm" and not args.load_transformer_weights:
+        return
+    try:
+        if list_checkpoints(args.output_dir):
+            return  # it resumes: the warm-start source is not read
+    except OSError:
+        pass
+    for key, weights_key in WEIGHT_KEYS.get(args.stage, ()):
+        if args[key] is None:
+            continue
+        try:
+            resolve_weights_source(args[key], weights=args[weights_key])
+        except CheckpointError as exc:
+            raise ConfigError(f"`{key}`: {exc}. The run would warm start from it; fix the path "
+                              f"(or run the stage that writes it first).") from None
 
 
 def _validate_topology(args: ResolvedArgs, world_size: int | None) -> None:

@@ -24,31 +24,54 @@ from trainer.warm_start import load_warm_start
 log = logging.getLogger("relay")
 
 
-def resume_or_warm_start(args: ResolvedArgs, topo: Topology, out: Path, stage) -> int:
+# Arguments that decide what the saved optimizer state is: a change cannot be loaded, and the
+# error should name the key rather than a tensor that does not fit.
+STATE_SHAPING_KEYS = ("stage", "use_muon", "use_ema")
+
+
+def resume_or_warm_start(args: ResolvedArgs, topo: Topology, out: Path,
+                         stage) -> tuple[int, str | None]:
     """Resume from output_dir's newest readable checkpoint, else warm start, else fresh.
 
-    Returns the step to continue after. Raises CheckpointError when checkpoints exist and none
-    loads (never a silent fresh start).
+    Returns (the step to continue after, the checkpoint resumed from or None). Raises
+    CheckpointError when checkpoints exist and none loads (never a silent fresh start), and
+    CheckpointIncompatibleError naming the key when this run's arguments cannot load one.
     """
     loaded: dict = {}
 
     def load(path: Path) -> None:
+        _check_state_shaping_keys(path, args)
         loaded["state"], loaded["cursor"] = ckpt.load_checkpoint(
             path, stage_members(stage), dp_rank=topo.dp_rank, dp_world=topo.dp_world,
             cp_size=args.cp_size, resume_data_state=args.resume_data_state)
 
     path = ckpt.find_resume_checkpoint(out, load)
     if path is not None:
-        return _restore(args, topo, stage, path, loaded["state"], loaded["cursor"])
+        return _restore(args, topo, stage, path, loaded["state"], loaded["cursor"]), str(path)
     if stage.warm_start_sources():
         report = warm_start(stage)
         if topo.is_main:
             write_json(out / "warm-start.json", report)
         log.info("warm start from %s (%s weights): %d tensors loaded", report["source"],
                  report["weights"], len(report.get("loaded", [])))
-        return 0
+        return 0, None
     log.info("no checkpoint in %s: starting fresh", out)
-    return 0
+    return 0, None
+
+
+def _check_state_shaping_keys(checkpoint: Path, args: ResolvedArgs) -> None:
+    """Refuse, naming the key, a resume whose optimizer / EMA / stage differ from the saver's."""
+    try:
+        saved = json.loads((checkpoint / "resolved-config.json").read_text())
+    except (OSError, ValueError):
+        return  # no record to compare with: the shape checks of load_checkpoint still apply
+    for key in STATE_SHAPING_KEYS:
+        if key in saved and saved[key] != args[key]:
+            raise ckpt.CheckpointIncompatibleError(
+                f"{checkpoint.name} was saved with {key}: {json.dumps(saved[key])}, this run "
+                f"has {key}: {json.dumps(args[key])}, so its saved state cannot be loaded. Resume "
+                f"with {key}: {json.dumps(saved[key])}, or start the new setting in a new "
+                f"output_dir with a warm start from this one.")
 
 
 def _restore(args: ResolvedArgs, topo: Topology, stage, path: Path, state: dict,

@@ -110,6 +110,10 @@ SECTIONS: dict[str, list[Arg]] = {
             "torch deterministic algorithms (bit-identical resume on CPU; slower on GPU)."),
         Arg("compile_transformer", "bool", False,
             "torch.compile each transformer block (the kernel warm-up compiles the same graphs)."),
+        Arg("legacy_eager_mode", "bool", True,
+            "The seed trainer's execution-mode switch, accepted so its YAML loads: relay runs "
+            "eager PyTorch (torch.compile per block with compile_transformer), never CUDA "
+            "graphs, so true is the only mode and false is refused before the run starts."),
         Arg("use_ema", "bool", False, "Keep an fp32 EMA shadow of the trained weights."),
         Arg("ema_decay", "float", 0.999, "EMA decay d: ema <- d*ema + (1-d)*live."),
         Arg("ema_start_step", "int", 0, "Optimizer step at which the EMA starts (a copy)."),

@@ -32,7 +32,7 @@ from trainer.distributed import (Topology, any_rank, barrier, destroy, init_dist
                                  world_size_from_env)
 from trainer.environment import probe_environment
 from trainer.files import write_json
-from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
+from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler, interrupts_deferred
 from trainer.schema import ConfigError, ResolvedArgs
 from trainer.stages.base import NonFiniteError
 from trainer.tracking import MetricsWriter, Progress, WandbReporter
@@ -60,9 +60,6 @@ def run(args: ResolvedArgs) -> int:
     out = Path(args.output_dir)
     result = {"status": "failed", "step": 0, "last_checkpoint": None, "error": None}
     try:
-        if args.cp_size > 1 or args.hybrid_shard:
-            raise ConfigError("cp_size > 1 and hybrid_shard are not implemented yet in this "
-                              "version of relay. Use cp_size: 1 and hybrid_shard: false.")
         if topo.is_main:
             out.mkdir(parents=True, exist_ok=True)
         barrier()
@@ -78,13 +75,22 @@ def run(args: ResolvedArgs) -> int:
         result["error"] = str(exc)
         log.error("%s", exc)
         return 1
+    except KeyboardInterrupt:
+        result.update(status="interrupted", error="interrupted (Ctrl-C) during a step; nothing "
+                      "half-written was kept: the run resumes from its last checkpoint")
+        log.error("interrupted: the run resumes from %s when started again",
+                  result["last_checkpoint"] or "the start (no checkpoint yet)")
+        return 130
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
         log.exception("training failed")
         return 1
     finally:
         if topo.is_main and out.is_dir():
-            write_json(out / "run-result.json", result)
+            try:
+                write_json(out / "run-result.json", result)
+            except OSError as exc:
+                log.error("could not write %s: %s", out / "run-result.json", exc)
         destroy()
 
 
@@ -92,19 +98,25 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
            result: dict) -> int:
     if args.deterministic:
         torch.use_deterministic_algorithms(True)
-    if topo.is_main:
-        write_json(out / "resolved-config.json", dict(args))
-        manifest = launch_manifest(topo)
-        manifest["environment"] = probe_environment()
-        write_json(out / "launch-manifest.json", manifest)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     stage = build_stage(args, topo)
     # Noise, caption drop and conditioning draws differ per rank.
     torch.manual_seed(args.seed + 1_000_003 * (topo.rank + 1))
     manager = ckpt.CheckpointManager(out, save_total_limit=args.save_total_limit,
                                      async_save=args.async_checkpoint)
-    start_step = run_state.resume_or_warm_start(args, topo, out, stage)
-    result["step"] = start_step
+    start_step, resumed = run_state.resume_or_warm_start(args, topo, out, stage)
+    result.update(step=start_step, last_checkpoint=resumed)
+    if topo.is_main:  # only now: a run that fails to start leaves the previous run's files
+        write_json(out / "resolved-config.json", dict(args))
+        manifest = launch_manifest(topo)
+        manifest["environment"] = probe_environment()
+        write_json(out / "launch-manifest.json", manifest)
+    if start_step >= args.max_steps:
+        manager.close()
+        result["status"] = "completed"
+        log.warning("nothing to train: %s is at step %d and max_steps is %d. Raise max_steps to "
+                    "train on.", resumed, start_step, args.max_steps)
+        return 0
     metrics = MetricsWriter(out, enabled=topo.is_main)
     metrics.truncate_after(start_step)
     tracker = WandbReporter(args, enabled=topo.is_main)
@@ -134,7 +146,8 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
             result["step"] = step
             preempted = any_rank(handler.requested)
             if preempted or step % args.save_interval == 0 or step == args.max_steps:
-                result["last_checkpoint"] = run_state.save(manager, args, topo, stage, step)
+                with interrupts_deferred():
+                    result["last_checkpoint"] = run_state.save(manager, args, topo, stage, step)
                 last_saved = step
             if preempted:
                 status = "preempted"
@@ -142,7 +155,8 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
                             "for requeue", handler.signal_name, step, PREEMPTED_EXIT_CODE)
                 break
         if last_saved != step:
-            result["last_checkpoint"] = run_state.save(manager, args, topo, stage, step)
+            with interrupts_deferred():
+                result["last_checkpoint"] = run_state.save(manager, args, topo, stage, step)
     finally:
         manager.close()
         progress.close()

@@ -36,6 +36,7 @@ from trainer.checkpoint_layout import (
     COMPLETE_FILE,
     RESOLVED_CONFIG_FILE,
     CheckpointError,
+    describe_load_error,
     read_complete,
 )
 from trainer.weights_source import (
@@ -58,7 +59,8 @@ def _read_plain_file(source: WeightsSource) -> dict[str, torch.Tensor]:
         else:
             state = torch.load(source.path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"could not read weights from {source.path}: {exc}") from exc
+        raise CheckpointError(f"could not read weights from {source.path}: "
+                              f"{describe_load_error(exc)}") from exc
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(
             f"{source.path} is not a plain state dict (a mapping of names to tensors); if it "
