@@ -241,8 +241,6 @@ def test_two_pass_replay_equals_the_reference_chunk_by_chunk_rollout(j, anchor_f
     first, x_hat = run_two_pass(model, noise, cap, sigmas, j, seed=11, anchor=anchor,
                                 anchored=anchored)
     assert torch.allclose(x_hat, ref.output, atol=1e-5)
-    assert torch.equal(first.output, ref.output.detach())
-    assert torch.equal(first.noisy_at_exit, ref.noisy_at_exit)
     if anchor_first:
         assert torch.equal(x_hat[0, :, 0], anchor[0, :, 0])
 
