@@ -126,12 +126,21 @@ def test_every_stage_runs_with_gradient_checkpointing_and_the_same_loss(tmp_path
              "stage2": [f"--{role}_init_path={tmp_path}"
                         for role in ("student", "teacher", "critic")]}[stage]
     config = str(REPO / "config" / "tiny" / f"{stage}.yaml")
-    losses = {}
+    losses, saved = {}, {}
     for on in ("false", "true"):
         args = resolve_config(config, _argv(tmp_path, *extra, "--enable_gradient_checkpointing",
                                             on), check_paths=False)
-        losses[on] = kernels.warm_up_kernels(args, "cpu")["loss"]
+        saved[on] = 0
+
+        def pack(tensor, on=on):
+            saved[on] += tensor.numel() * tensor.element_size()
+            return tensor
+
+        # What the backward keeps is what checkpointing changes: the warm-up must measure it.
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            losses[on] = kernels.warm_up_kernels(args, "cpu")["loss"]
     assert math.isfinite(losses["true"]) and losses["true"] == losses["false"]
+    assert saved["true"] < 0.5 * saved["false"], saved
 
 
 def test_latent_shape_comes_from_the_first_parquet_row(tmp_path):
