@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -31,16 +30,16 @@ def _free_port() -> int:
 def test_a_save_failing_on_rank_1_raises_the_same_error_on_both_ranks_and_publishes_nothing(
         tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # Its own session, so that a hang (a rank left alone in a collective) kills every worker.
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                              "2", "--master_port", str(_free_port()), str(WORKER), str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         output, _ = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
+        # A rank left alone in a collective: torchrun stops its workers on SIGTERM (a SIGKILL
+        # would orphan them, each in its own session).
+        proc.terminate()
+        output, _ = proc.communicate(timeout=60)
         pytest.fail(f"the ranks hung after the failed save:\n{output[-4000:]}")
     assert proc.returncode == 0, output[-4000:]
     errors = [json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in (0, 1)]
