@@ -561,10 +561,12 @@ def test_stage2_trains_from_fm_checkpoints_resumes_exactly_after_a_kill_and_samp
     killed = tmp_path / "killed"
     proc = train("config/tiny/stage2.yaml", *stage2_argv(tmp_path, killed, sft, student),
                  wait=False)
+    # Killed as soon as checkpoint-2 is published (1 ms polls, no pause after): eight outer
+    # steps remain, far more than a poll.
     deadline = time.time() + 300
     while not (killed / "checkpoint-2" / "COMPLETE").exists() and proc.poll() is None:
         assert time.time() < deadline
-        time.sleep(0.02)
+        time.sleep(0.001)
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
     done = [int(p.name.split("-")[1]) for p in killed.glob("checkpoint-*")
