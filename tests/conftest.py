@@ -1,6 +1,7 @@
-"""Shared pytest fixtures.
+"""Shared pytest fixtures and markers.
 
 slurm_cluster: the one-machine Slurm cluster of slurm/local/ (session scoped).
+gpu: tests that need CUDA; skipped without it (`pytest -m gpu` runs exactly them).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ SLURM_START = REPO_ROOT / "slurm" / "local" / "start.sh"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # Also declared in pyproject.toml; registering here keeps the fixture self-contained.
+    # Also declared in pyproject.toml; registering here keeps the fixtures self-contained.
     config.addinivalue_line("markers", "slurm: needs the local Slurm cluster (slurm/local/start.sh)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -26,6 +28,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slurm_cluster" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("slurm"):
             item.add_marker(pytest.mark.slurm)
+    # `gpu` tests skip where CUDA is missing, so the whole suite runs anywhere and a GPU machine
+    # runs exactly them with `pytest -m gpu`. torch is imported only when one was collected.
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu_items:
+        import torch
+
+        if not torch.cuda.is_available():
+            skip = pytest.mark.skip(reason="needs a CUDA device (run `pytest -m gpu` on a GPU machine)")
+            for item in gpu_items:
+                item.add_marker(skip)
 
 
 @dataclass(frozen=True)

@@ -102,10 +102,6 @@ def test_sdpa_masked_attention_ignores_disallowed_keys():
     assert torch.allclose(out, attention(q, k, v2, mask), atol=1e-12)
 
 
-def test_sdpa_is_always_available():
-    assert "sdpa" in available_backends()
-
-
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash_attn installed")
 def test_missing_backend_package_is_named_in_the_error():
     q = torch.randn(1, 1, 2, 4)
@@ -125,6 +121,5 @@ def test_unknown_backend_lists_known_names():
 def test_maskless_backend_refuses_a_mask(monkeypatch):
     monkeypatch.setitem(attn._REGISTRY, "test_maskless", attn._Backend(lambda q, k, v, m: q, False))
     q = torch.randn(1, 1, 2, 4)
-    assert attention(q, q, q, backend="test_maskless") is q
     with pytest.raises(ValueError, match="only mask=None"):
         attention(q, q, q, torch.ones(2, 2, dtype=torch.bool), backend="test_maskless")

@@ -1,4 +1,4 @@
-"""launcher/environment.py: the probe of what a job sees, and `relay env probe`."""
+"""trainer/environment.py: the probe of what a job sees, and `relay env probe`."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def _touch(path: Path) -> None:
     path.write_text("x")
 
 
-def test_probe_returns_every_section_quickly():
+def test_probe_returns_every_section_as_json():
     report = probe_environment()
     for key in ("host", "torch", "kernels", "caches", "network", "env", "secrets", "slurm",
                 "problems", "probe_seconds"):
@@ -30,8 +30,9 @@ def test_probe_returns_every_section_quickly():
     assert set(report["kernels"]) == {"flash_attn", "fa4", "quack", "triton"}
     assert set(CACHE_VARS) <= set(report["caches"])
     assert report["host"]["cpu_count"] == os.cpu_count()
-    assert report["probe_seconds"] < 2.0
-    json.dumps(report)  # JSON-serialisable as it is
+    # launch-manifest.json stores it as it is: nothing may need a default= to serialise.
+    # (How long the probe takes is a benchmark: benchmarks/environment_probe.py.)
+    assert json.loads(json.dumps(report)) == report
 
 
 def test_secrets_are_reported_as_set_but_their_values_never_appear(monkeypatch):

@@ -36,15 +36,17 @@ def weights_equal(model: nn.Module, value: float) -> bool:
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    """One of each source kind. Live weights are 1.0, EMA weights 2.0."""
+    """One of each source kind. Live weights are 1.0, EMA weights 2.0; the older checkpoint of
+    `run` holds 5.0 and 6.0, so a source that picked it would show."""
     root = tmp_path_factory.mktemp("sources")
     live, ema = filled(1.0), filled(2.0)
     torch.save(live.state_dict(), root / "plain.pt")
     save_file(live.state_dict(), str(root / "plain.safetensors"))
     (root / "dir_with_model_state").mkdir()
     torch.save(live.state_dict(), root / "dir_with_model_state" / "model_state.pt")
-    for step in (1, 2):
-        save_checkpoint(root / "run", step, members={"transformer": ModelMember(live), "ema": ModelMember(ema)},
+    for step, (step_live, step_ema) in ((1, (filled(5.0), filled(6.0))), (2, (live, ema))):
+        save_checkpoint(root / "run", step,
+                        members={"transformer": ModelMember(step_live), "ema": ModelMember(step_ema)},
                         training_state={"step": step}, dataloader_state={}, model_config={"hidden": 8})
     save_checkpoint(root / "run_without_ema", 1, members={"transformer": ModelMember(live)},
                     training_state={"step": 1}, dataloader_state={})
@@ -75,7 +77,9 @@ def test_warm_start_loads_each_kind_of_source(sources, relative, weights, expect
 
 
 def test_output_dir_source_uses_its_newest_checkpoint(sources):
-    report = load_warm_start(sources / "run", filled(0.0), weights="live")
+    model = filled(0.0)
+    report = load_warm_start(sources / "run", model, weights="live")
+    assert weights_equal(model, 1.0)  # checkpoint-1's live weights are 5.0
     assert report["source"].endswith("checkpoint-2/transformer")
 
 

@@ -98,18 +98,19 @@ def test_stage2_warm_up_runs_one_outer_step_of_all_three_roles(tmp_path, capture
     stage2 = str(REPO / "config" / "tiny" / "stage2.yaml")
     sources = [f"--{role}_init_path={tmp_path / 'sources'}"
                for role in ("student", "teacher", "critic")]
-    args = resolve_config(stage2, _argv(tmp_path, *sources, "--rollout_mode", rollout_mode),
-                          check_paths=False)
+    args = resolve_config(stage2, _argv(tmp_path, *sources, "--rollout_mode", rollout_mode,
+                                        "--zero_init_modulation", "false"), check_paths=False)
     report = warmup.warm_up_kernels(args, "cpu")
 
     assert report["status"] == "ok" and report["stage"] == "dmd_sgf"
     assert math.isfinite(report["loss"])
-    # The backward reached the causal student (the model the warm-up builds) through its replay;
-    # its gradient is zero here, as it should be: with random zero-init weights the teacher and
-    # the critic agree, and the DMD gradient vanishes. No optimizer step was taken.
+    # The backward reached the causal student (the model the warm-up builds) through its
+    # replay. Without zero-init modulation the teacher and the critic disagree, so the DMD
+    # gradient, and with it the student's, is not zero. No optimizer step was taken.
     student = captured_model["model"]
     assert student.cfg.causal_chunk_size
     assert all(p.grad is not None for p in student.blocks.parameters())
+    assert any(p.grad.abs().sum() > 0 for p in student.blocks.parameters())
     for name, value in student.state_dict().items():
         assert torch.equal(value, captured_model["initial"][name]), name
     assert not (tmp_path / "out").exists()
@@ -124,12 +125,21 @@ def test_every_stage_runs_with_gradient_checkpointing_and_the_same_loss(tmp_path
              "stage2": [f"--{role}_init_path={tmp_path}"
                         for role in ("student", "teacher", "critic")]}[stage]
     config = str(REPO / "config" / "tiny" / f"{stage}.yaml")
-    losses = {}
+    losses, saved = {}, {}
     for on in ("false", "true"):
         args = resolve_config(config, _argv(tmp_path, *extra, "--enable_gradient_checkpointing",
                                             on), check_paths=False)
-        losses[on] = warmup.warm_up_kernels(args, "cpu")["loss"]
+        saved[on] = 0
+
+        def pack(tensor, on=on):
+            saved[on] += tensor.numel() * tensor.element_size()
+            return tensor
+
+        # What the backward keeps is what checkpointing changes: the warm-up must measure it.
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            losses[on] = warmup.warm_up_kernels(args, "cpu")["loss"]
     assert math.isfinite(losses["true"]) and losses["true"] == losses["false"]
+    assert saved["true"] < 0.5 * saved["false"], saved
 
 
 def test_latent_shape_comes_from_the_first_parquet_row(tmp_path):
@@ -181,9 +191,12 @@ def test_a_long_step_logs_a_heartbeat(tmp_path, monkeypatch, caplog):
     assert any("still in the forward pass" in r.getMessage() for r in caplog.records)
 
 
-def test_main_prints_the_report_and_writes_relay_warmup_report(tmp_path, monkeypatch, capsys):
+def test_main_prints_the_report_and_writes_it_where_the_launcher_looks(tmp_path, monkeypatch,
+                                                                       capsys):
+    from launcher.job import WARMUP_REPORT_ENV
+
     target = tmp_path / "reports" / "warmup.json"
-    monkeypatch.setenv(warmup.REPORT_ENV, str(target))
+    monkeypatch.setenv(WARMUP_REPORT_ENV, str(target))  # what the warm-up job sets
     assert warmup.main(["--config", TINY, *_argv(tmp_path), "--dry-run"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["status"] == "ok" and printed["config"] == TINY

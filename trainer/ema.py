@@ -4,7 +4,7 @@ ema <- d * ema + (1 - d) * live, after the optimizer step of the tracked model. 
 created (a copy of the live weights) at the first update with count >= start, then updated every
 `update_every` counts; `count` is whatever the caller counts: optimizer steps for FM, student
 updates for Stage2. Its state dict has the model's own keys, so a checkpoint's `ema/` member
-loads into a model like `transformer/` does.
+loads into a model like `transformer/` does; on resume, DCP fills that dict in place.
 """
 
 from __future__ import annotations
@@ -50,10 +50,6 @@ class EMA:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.shadow
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for k, v in state.items():
-            self.shadow[k].copy_(v)
 
     @contextlib.contextmanager
     def swapped_in(self, model: nn.Module):

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -72,7 +74,8 @@ def wait_final(job_ids: list[str], timeout: float = 300) -> dict[str, str]:
     raise AssertionError(f"jobs not final after {timeout} s: {states}")
 
 
-def wait_for_step(output_dir: Path, step: int, timeout: float = 180) -> None:
+def wait_for_step(output_dir: Path, step: int, timeout: float = 180) -> int:
+    """Poll (every 10 ms) until metrics.jsonl holds `step`; returns the last step logged."""
     deadline = time.monotonic() + timeout
     metrics = output_dir / "metrics.jsonl"
     while time.monotonic() < deadline:
@@ -80,9 +83,59 @@ def wait_for_step(output_dir: Path, step: int, timeout: float = 180) -> None:
             steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()
                      if line.strip().endswith("}")]
             if steps and max(steps) >= step:
-                return
-        time.sleep(0.2)
+                return max(steps)
+        time.sleep(0.01)
     raise AssertionError(f"{metrics} did not reach step {step} within {timeout} s")
+
+
+def rank_processes(job: str, count: int, timeout: float = 60) -> list[psutil.Process]:
+    """The `count` rank processes (srun tasks running python) of `job`: the local cluster
+    runs them on this machine."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = []
+        for proc in psutil.process_iter(["cmdline"]):
+            try:
+                env, cmdline = proc.environ(), proc.info["cmdline"] or []
+            except psutil.Error:
+                continue
+            if env.get("SLURM_JOB_ID") == job and env.get("SLURM_STEP_ID", "").isdigit() and \
+                    cmdline and "python" in Path(cmdline[0]).name:
+                found.append(proc)
+        if len(found) == count:
+            return found
+        assert time.monotonic() < deadline, f"job {job}: {len(found)} rank processes, not {count}"
+        time.sleep(0.05)
+
+
+def usr2_pending(pid: int) -> bool:
+    """Whether SIGUSR2 is pending for process `pid` (its thread or process-wide mask)."""
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    masks = [int(line.split()[1], 16) for line in status if line.startswith(("SigPnd:", "ShdPnd:"))]
+    return any(mask & (1 << (signal.SIGUSR2 - 1)) for mask in masks)
+
+
+def usr2_to_frozen_ranks(job: str, ranks: int, output_dir: Path, steps: int,
+                         send: list[str]) -> None:
+    """Stop the job's ranks, run `send` (an scancel that signals them, directly or through
+    the batch shell), and let them go once each holds the USR2 pending.
+
+    Slurm delivers a signal asynchronously; frozen, the ranks cannot finish meanwhile, however
+    fast the machine: the signal meets a run that still has steps to go.
+    """
+    procs = rank_processes(job, ranks)
+    for proc in procs:
+        proc.suspend()
+    try:
+        assert wait_for_step(output_dir, 1) < steps - 1, "the run ended before the signal"
+        subprocess.run(send, check=True, timeout=60)
+        deadline = time.monotonic() + 60
+        while not all(usr2_pending(proc.pid) for proc in procs):
+            assert time.monotonic() < deadline, "USR2 never reached the ranks"
+            time.sleep(0.01)
+    finally:
+        for proc in procs:
+            proc.resume()
 
 
 def logged_steps(output_dir: Path) -> list[int]:
@@ -167,7 +220,7 @@ def test_usr2_to_every_rank_saves_requeues_and_resumes_without_losing_or_repeati
     out = root / "pretrain"
     wait_for_step(out, 3)
     # What Slurm does signal_lead_s before the time limit: USR2 to every task of the step.
-    subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=60)
+    usr2_to_frozen_ranks(job, 2, out, steps, ["scancel", "--signal=USR2", job])
     assert wait_final([job], timeout=400) == {job: "COMPLETED"}
 
     assert logged_steps(out) == list(range(1, steps + 1))
@@ -269,7 +322,7 @@ def test_sbatch_script_applies_overrides_and_requeues_after_usr2_to_the_batch_sh
                          timeout=60).stdout.strip().split(";")[0]
     wait_for_step(out, 3)
     # What --signal=B:USR2@lead does: the batch shell only; it must forward to the ranks.
-    subprocess.run(["scancel", "--batch", "--signal=USR2", job], check=True, timeout=60)
+    usr2_to_frozen_ranks(job, 1, out, 40, ["scancel", "--batch", "--signal=USR2", job])
     assert wait_final([job], timeout=400) == {job: "COMPLETED"}, log.read_text()
 
     text = log.read_text()

@@ -118,8 +118,10 @@ def _free_port() -> int:
 
 # Per trial: the kills before the run may finish, and whether saves are asynchronous. "save"
 # kills as soon as checkpoint-N.tmp appears for a random N (mid-save; with async saves the
-# background thread is writing it while steps go on); "step" kills at a random moment after a
-# random step of this attempt.
+# background thread is writing it while steps go on); "step" kills as soon as a random step N
+# of this attempt is logged: before that step's save when N is even, between steps when it is
+# odd. Kills follow their condition at once (1 ms polls), never a sleep, and at least two
+# steps remain after every target, so a fast machine cannot finish first.
 KILL_TRIALS = [(("save", "step"), False), (("step",), False), (("save",), True)]
 
 
@@ -151,15 +153,12 @@ def test_sigkill_during_steps_and_sync_or_async_saves_then_restart_gives_the_sam
                 target = rng.randint(first + 1, min(first + 4, 10))
 
                 def training_past_target() -> bool:
+                    if _last_logged_step(out) < target or not _published_steps(out):
+                        return False  # the cheap checks first: this runs every millisecond
                     text = log.read_text(errors="replace")[offset:]
-                    started = "resumed from" in text or "starting fresh" in text
-                    return started and bool(_published_steps(out)) and \
-                        _last_logged_step(out) >= target
+                    return "resumed from" in text or "starting fresh" in text
 
-                _wait_until(training_past_target, proc, log)
-                # Within about one step (~20 ms here): a longer pause can let a fast machine
-                # finish the run before the kill.
-                time.sleep(rng.uniform(0.0, 0.02))
+                _wait_until(training_past_target, proc, log, poll=0.001)
             assert proc.poll() is None, f"trial {trial}: the run ended before its {kind} kill"
             _sigkill(proc)
             kills.append((trial, kind, target))
