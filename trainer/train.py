@@ -28,6 +28,7 @@ import torch
 from launcher.environment import probe_environment
 from trainer import checkpoint as ckpt
 from trainer.args import ConfigError, ResolvedArgs, model_config, resolve_args
+from trainer.cuda_memory import configure_cuda_allocator
 from trainer.distributed import Topology, all_reduce_max, barrier, destroy, init_distributed
 from trainer.distributed import world_size_from_env
 from trainer.optim import resume_lr_scheduler
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: ResolvedArgs) -> int:
     """Train one stage to max_steps (or until preempted). Returns the process exit code."""
+    configure_cuda_allocator()  # before init_distributed puts anything on a GPU
     topo = init_distributed(args.cp_size, args.dist_backend)
     out = Path(args.output_dir)
     result = {"status": "failed", "step": 0, "last_checkpoint": None, "error": None}
