@@ -222,11 +222,15 @@ def _dense_layout_mask(layout: ChunkLayout, device: torch.device) -> torch.Tenso
 
 def _load(kernel: str):
     """The package module of an optional kernel, or None (the reason kept for the error)."""
-    module_name, _ = _PACKAGES[kernel]
+    module_name, function = _PACKAGES[kernel]
     if kernel in _IMPORT_ERRORS:
         return None
     try:
-        return importlib.import_module(module_name)
+        module = importlib.import_module(module_name)
+        # FA4 alone installs `flash_attn/cute/`, which makes `flash_attn` an importable
+        # namespace package without FlashAttention 2's functions.
+        getattr(module, function)
+        return module
     except Exception as exc:  # a broken CUDA build raises more than ImportError
         _IMPORT_ERRORS[kernel] = f"{type(exc).__name__}: {exc}"
         return None
@@ -301,7 +305,10 @@ def _compiled_flex():
 def _flex(q, k, v, block_mask):
     from torch.nn.attention.flex_attention import flex_attention
 
-    fn = _compiled_flex() if q.is_cuda else flex_attention  # eager flex is the CPU reference
+    # Inside a compiled block flex is traced into the block's graph; eager GPU code needs the
+    # compiled kernel; eager flex on a CPU is the (slow) reference the tests use.
+    eager_gpu = q.is_cuda and not torch.compiler.is_compiling()
+    fn = _compiled_flex() if eager_gpu else flex_attention
     out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask)
     return out.transpose(1, 2)
 
@@ -311,6 +318,27 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
+class _ZeroPaddedKeyGrad(torch.autograd.Function):
+    """Identity on keys/values [B, Nk, heads, head_dim]; its backward zeroes the rows past
+    each sample's length.
+
+    FA4's backward with seqused_k never writes dK and dV for unused keys: they hold whatever
+    the allocator's memory held (seen on an H200 as gradients 10^5 times too large flowing into
+    the caption embedder). Zeroing them is what the masked reference computes.
+    """
+
+    @staticmethod
+    def forward(ctx, x, key_lengths):
+        ctx.save_for_backward(key_lengths)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (key_lengths,) = ctx.saved_tensors
+        used = torch.arange(grad.shape[1], device=grad.device)[None, :] < key_lengths[:, None]
+        return grad.masked_fill(~used[:, :, None, None], 0), None
+
+
 # The external kernels are opaque to torch.compile: a compiled block breaks its graph around
 # them rather than tracing into CuTe DSL or C++ extension code.
 @torch.compiler.disable
@@ -318,6 +346,7 @@ def _fa4(q, k, v, key_lengths=None):
     cute = _load("fa4")
     if key_lengths is None:
         return _first(cute.flash_attn_func(q, k, v))
+    k, v = _ZeroPaddedKeyGrad.apply(k, key_lengths), _ZeroPaddedKeyGrad.apply(v, key_lengths)
     return _first(cute.flash_attn_varlen_func(q, k, v, seqused_k=key_lengths))
 
 
