@@ -526,6 +526,9 @@ def test_rope_rotates_pairs_like_complex_multiplication():
     expected = torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2)).contiguous()) * rot)
     torch.testing.assert_close(apply_rope(x, cos, sin), expected.flatten(-2), rtol=0, atol=1e-14)
     assert apply_rope(x.float(), cos, sin).dtype == torch.float32
+    # the real-valued form GPUs and compiled blocks run
+    real = torch.compile(apply_rope, backend="eager", fullgraph=True)(x, cos, sin)
+    torch.testing.assert_close(real, expected.flatten(-2), rtol=0, atol=1e-14)
 
 
 def test_qk_norm_runs_in_the_input_dtype_under_autocast():
