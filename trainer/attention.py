@@ -56,12 +56,11 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "sdpa", "fa4", "flash_attn")
-# What each kernel computes; "sdpa" computes everything.
+# What each nameable backend computes; "sdpa" computes everything.
 _FORMS = {
     "sdpa": {"full", "padded", "chunked", "varlen"},
     "fa4": {"full", "padded", "varlen"},
     "flash_attn": {"full", "varlen"},
-    "flex": {"full", "padded", "chunked"},
 }
 # Fastest first, as measured on an H200 (docs/performance.md): FA4 1.18x cuDNN SDPA on relay's
 # video attention; flex only where a mask is unavoidable.
