@@ -3,8 +3,9 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from trainer.model import DiTBlock, VideoDiT
+from trainer.model import DiTBlock, VideoDiT, text_lengths_of
 from trainer.model_config import MODEL_CONFIG_DEFAULTS, DiTConfig
 
 torch.set_num_threads(1)
@@ -323,9 +324,7 @@ def test_per_frame_time_reads_the_first_frame_of_each_patch_frame():
     assert change[2] > 1e-6
 
 
-def test_causal_model_with_a_maskless_backend_is_rejected_early():
-    with pytest.raises(ValueError, match="sdpa"):
-        DiTConfig(causal_chunk_size=2, attention_backend="flash_attn")
+def test_unknown_attention_backend_is_rejected_early():
     with pytest.raises(ValueError, match="unknown"):
         DiTConfig(attention_backend="flashy")
 
@@ -365,3 +364,181 @@ def test_gradient_checkpointing_gives_the_same_gradients_from_fewer_saved_activa
         torch.testing.assert_close(ckpt_grads[name], grad, rtol=0, atol=1e-12, msg=name)
     # Only each block's inputs stay alive through the forward, not its inner activations.
     assert ckpt_saved < plain_saved / 3, (ckpt_saved, plain_saved)
+
+
+# ---- the forward path against the plain math ------------------------------------------------
+
+
+def _reference_forward(model, x, t, text, text_mask=None, causal=False):
+    """The DiT written out from its weights, as it was specified before any speed work: one
+    modulation vector per token, complex-number RoPE, [text | video] keys under one dense mask,
+    padded text queries attending to themselves."""
+    cfg = model.cfg
+    b, heads, hd = x.shape[0], cfg.num_attention_heads, cfg.head_dim
+    pt, ph, pw = cfg.patch_size
+    grid = (x.shape[2] // pt, x.shape[3] // ph, x.shape[4] // pw)
+    n, per_frame = grid[0] * grid[1] * grid[2], grid[1] * grid[2]
+    vid, txt = model._patchify(x), model.text_embedder(text)
+    length = txt.shape[1]
+    t = torch.as_tensor(t, dtype=x.dtype).expand(b, -1) if torch.as_tensor(t).ndim == 2 else \
+        torch.as_tensor(t, dtype=x.dtype).expand(b)[:, None].expand(b, x.shape[2])
+    cond = F.silu(model.time_embedder(t[:, ::pt].repeat_interleave(per_frame, dim=1)))  # [B, N, D]
+    pos = torch.stack(torch.meshgrid(*(torch.arange(g) for g in grid), indexing="ij"), -1).reshape(-1, 3)
+    angle = torch.cat([pos[:, a, None].double() * cfg.rope_theta ** (-torch.arange(0, d, 2).double() / d)
+                       for a, d in enumerate(cfg.rope_axes_dim) if d], dim=-1)
+    rot = torch.polar(torch.ones_like(angle), angle)
+
+    def rope(u):  # [B, heads, N, hd]
+        return torch.view_as_real(torch.view_as_complex(u.unflatten(-1, (-1, 2)).contiguous()) * rot).flatten(-2)
+
+    def ln(u):
+        return F.layer_norm(u, (cfg.hidden_size,), eps=1e-6)
+
+    def split(block, h):
+        q, k, v = block.qkv(h).view(b, h.shape[1], 3, heads, hd).permute(2, 0, 3, 1, 4)
+        return (F.rms_norm(q, (hd,), block.q_norm.weight, 1e-6),
+                F.rms_norm(k, (hd,), block.k_norm.weight, 1e-6), v)
+
+    def merge(block, o):
+        return block.proj(o.transpose(1, 2).flatten(-2))
+
+    real = torch.ones(b, length, dtype=torch.bool) if text_mask is None else text_mask
+    text_rows = real[:, None, None, :] | torch.eye(length, dtype=torch.bool)
+    video_rows = torch.ones(n, n, dtype=torch.bool)
+    if causal:
+        frame = torch.arange(grid[0]).repeat_interleave(per_frame) // (cfg.causal_chunk_size // pt)
+        video_rows = frame[None, :] <= frame[:, None]
+    joint = torch.cat([real[:, None, :].expand(b, n, length), video_rows.expand(b, n, n)], dim=2)[:, None]
+    for block in model.blocks:
+        tq, tk, tv = split(block, ln(txt))
+        new_txt = txt + merge(block, F.scaled_dot_product_attention(tq, tk, tv, attn_mask=text_rows))
+        new_txt = new_txt + block.mlp(ln(new_txt))
+        sh1, sc1, g1, sh2, sc2, g2 = block.modulation(cond).chunk(6, dim=-1)
+        q, k, v = split(block, ln(vid) * (1 + sc1) + sh1)
+        keys, values = torch.cat([tk, rope(k)], dim=2), torch.cat([tv, v], dim=2)
+        vid = vid + g1 * merge(block, F.scaled_dot_product_attention(rope(q), keys, values, attn_mask=joint))
+        vid = vid + g2 * block.mlp(ln(vid) * (1 + sc2) + sh2)
+        txt = new_txt
+    shift, scale = model.final_modulation(cond).chunk(2, dim=-1)
+    return model._unpatchify(model.head(ln(vid) * (1 + scale) + shift), *x.shape[2:])
+
+
+def _padded_mask():
+    mask = torch.ones(B, L, dtype=torch.bool)
+    mask[0, -2:] = False
+    return mask
+
+
+@pytest.mark.parametrize("case", ["per_sample", "per_frame", "padded_text", "causal", "patch_t2"])
+def test_forward_matches_the_written_out_math(case):
+    model = tiny(causal_chunk_size=2 if case == "causal" else None,
+                 patch_size=(2, 2, 2) if case == "patch_t2" else (1, 2, 2))
+    x, t, text = inputs()
+    mask = _padded_mask() if case == "padded_text" else None
+    if case in ("per_frame", "patch_t2", "causal"):
+        t = torch.tensor([[900.0, 1.0, 500.0, 2.0, 100.0, 3.0], [10.0, 20.0, 30.0, 40.0, 50.0, 60.0]],
+                         dtype=torch.float64)
+    torch.testing.assert_close(model(x, t, text, mask), _reference_forward(model, x, t, text, mask,
+                                                                           causal=case == "causal"),
+                               rtol=0, atol=1e-12)
+
+
+def _spy_attention(monkeypatch):
+    import trainer.model as model_module
+
+    plans = []
+    original = model_module.attend
+
+    def spy(plan, q, k, v):
+        plans.append(plan)
+        return original(plan, q, k, v)
+
+    monkeypatch.setattr(model_module, "attend", spy)
+    return plans
+
+
+def test_a_text_mask_that_hides_nothing_never_reaches_attention(monkeypatch):
+    model = tiny()
+    x, t, text = inputs()
+    plans = _spy_attention(monkeypatch)
+    out = model(x, t, text, torch.ones(B, L, dtype=torch.bool))
+    assert plans and all(p.mask is None for p in plans)
+    assert torch.equal(out, model(x, t, text))
+    plans.clear()
+    model(x, t, text, _padded_mask())
+    assert all(p.mask is not None for p in plans)  # real padding does (as lengths on GPUs)
+
+
+def test_text_mask_with_a_real_token_after_padding_is_refused():
+    mask = torch.tensor([[True, False, True, True, True], [True] * 5])
+    with pytest.raises(ValueError, match="real tokens first"):
+        tiny()(*inputs(), mask)
+    assert text_lengths_of(torch.ones(2, 3, dtype=torch.bool)) is None
+    assert text_lengths_of(torch.tensor([[True, True, False]])).tolist() == [2]
+
+
+def _mod_groups(monkeypatch):
+    groups = []
+    original = DiTBlock.forward_video
+
+    def spy(self, vid, mod, *args):
+        groups.append(mod.shape[1])
+        return original(self, vid, mod, *args)
+
+    monkeypatch.setattr(DiTBlock, "forward_video", spy)
+    return groups
+
+
+def test_equal_per_frame_times_take_the_per_sample_modulation_path(monkeypatch):
+    model = tiny()
+    x, t, text = inputs()
+    groups = _mod_groups(monkeypatch)
+    model(x, t[:, None].expand(B, 6), text)
+    assert groups == [1, 1]
+    groups.clear()
+    model(x, torch.linspace(900, 100, 6, dtype=torch.float64).repeat(B, 1), text)
+    assert groups == [6, 6]
+
+
+def test_per_frame_modulation_is_never_copied_per_token():
+    model = tiny().train()
+    x, _, text = inputs()
+    t = torch.linspace(900, 100, 6, dtype=torch.float64).repeat(B, 1)
+    per_token = B * (6 * 2 * 2) * 6 * model.cfg.hidden_size  # [B, N, 6D] elements
+    largest = []
+
+    def pack(tensor):
+        largest.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(x, t, text).sum().backward()
+    assert max(largest) < per_token, (max(largest), per_token)
+
+
+def test_rope_rotates_pairs_like_complex_multiplication():
+    from trainer.model import apply_rope, rope_tables
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 3, 8, generator=g, dtype=torch.float64)
+    positions = torch.randint(0, 20, (5, 3), generator=g)
+    cos, sin = rope_tables(positions, (2, 2, 4), 10000.0, dtype=torch.float64)
+    rot = torch.complex(cos, sin)[:, None]
+    expected = torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2)).contiguous()) * rot)
+    torch.testing.assert_close(apply_rope(x, cos, sin), expected.flatten(-2), rtol=0, atol=1e-14)
+    assert apply_rope(x.float(), cos, sin).dtype == torch.float32
+    # the real-valued form GPUs and compiled blocks run
+    real = torch.compile(apply_rope, backend="eager", fullgraph=True)(x, cos, sin)
+    torch.testing.assert_close(real, expected.flatten(-2), rtol=0, atol=1e-14)
+
+
+def test_qk_norm_runs_in_the_input_dtype_under_autocast():
+    block = DiTBlock(DiTConfig(hidden_size=16, num_attention_heads=2, rope_axes_dim=(2, 2, 4)))
+    h = torch.randn(2, 3, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        q, k, v = block._qkv(block.norm1(h))
+        normed = block.norm1(h.bfloat16())
+    assert q.dtype == k.dtype == v.dtype == torch.bfloat16
+    assert normed.dtype == torch.bfloat16
+    torch.testing.assert_close(q.float(), F.rms_norm(block.qkv(block.norm1(h)).unflatten(-1, (3, 2, -1))[:, :, 0],
+                                                     (8,), block.q_norm.weight, 1e-6), rtol=2e-2, atol=2e-2)

@@ -1,176 +1,86 @@
-"""Attention backends behind one call, and the boolean masks the DiT's modes need.
+"""Attention for the DiT: each form relay needs, routed to a kernel that computes it exactly.
 
-`attention(q, k, v, mask, backend)` is the only entry point the model uses, so swapping the
-kernel (torch SDPA here and on CPU; FlashAttention 2 / FlashAttention 4 on GPUs) is a config
-value, not a code change. Optional backends are imported lazily: a machine without their
-packages (a laptop, a login node) can still import this module and use "sdpa".
+Layout: q [B, Nq, heads, head_dim], k and v [B, Nk, heads, head_dim], output like q. This is
+the layout the projections produce and FlashAttention takes; SDPA and FlexAttention get
+transposed views.
 
-Masks are boolean, True = the query may attend to the key, over the token order
-`[prefix (text) tokens | video tokens]` with video tokens frame-major. They are pure functions
-of the shape, so callers build them once per shape and cache them.
+Keys are ordered `[structured keys | prefix keys]`. The prefix (the caption, sometimes after
+committed chunks) comes last, so caption padding is a per-sample count of used keys,
+`key_lengths`, rather than a mask: keys at positions >= key_lengths[b] are padding. The forms:
+
+- full: every query sees every key (no mask reaches any kernel);
+- padded: full, but sample b sees only its first key_lengths[b] keys;
+- chunked: a `ChunkLayout` says which of the structured (video) keys each query sees
+  (block-causal, teacher forcing); every query also sees the prefix keys (within key_lengths);
+- varlen: packed sequences with cu_seqlens (`attention_varlen`).
+
+Kernels: "sdpa" (torch SDPA: every form, through dense boolean masks where needed; the
+reference, and the only kernel on CPU), "fa4" (FlashAttention 4, `flash_attn.cute`: full,
+padded through seqused_k, varlen), "flash_attn" (FlashAttention 2/3: full, varlen) and "flex"
+(FlexAttention with a block mask: chunked, skipping the key blocks no query of a query block
+sees). `attention_backend` names the kernel to prefer; "auto" prefers the fastest one that
+can run here. A form the preferred kernel cannot compute goes to the next one that can (for
+chunked on a GPU: flex); each routing decision is logged once. Optional packages are imported
+lazily, so a machine without them (a laptop, a login node) still imports this module.
+
+A model builds one `AttentionPlan` per forward pass (the kernel and any mask, prepared once)
+and every block runs it with `attend(plan, q, k, v)`.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from trainer.model_config import ATTENTION_BACKENDS
+
+log = logging.getLogger("relay")
+
 __all__ = [
-    "attention",
-    "available_backends",
-    "backend_supports_mask",
-    "known_backends",
-    "register_backend",
+    "BACKENDS",
+    "AttentionPlan",
+    "ChunkLayout",
+    "attend",
+    "attention_varlen",
+    "available_kernels",
     "block_causal_mask",
-    "teacher_forcing_mask",
     "chunk_ids",
+    "choose_kernel",
+    "known_backends",
+    "plan_attention",
+    "teacher_forcing_mask",
 ]
 
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class _Backend:
-    fn: AttentionFn
-    supports_mask: bool
-
-
-def _sdpa(q, k, v, mask):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
-def _flash_layout(fn):
-    """Adapts a FlashAttention-style kernel ([B, N, heads, head_dim] in and out) to ours."""
-
-    def run(q, k, v, mask):
-        out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        # FA4 releases differ: some return (out, lse), some out only.
-        if isinstance(out, tuple):
-            out = out[0]
-        return out.transpose(1, 2)
-
-    return run
-
-
-# name -> (module that must import, attribute holding the kernel)
-_OPTIONAL = {
-    "flash_attn": ("flash_attn", "flash_attn_func"),
-    "fa4": ("flash_attn.cute", "flash_attn_func"),
+BACKENDS = ATTENTION_BACKENDS
+# What each nameable backend computes; "sdpa" computes everything.
+_FORMS = {
+    "sdpa": {"full", "padded", "chunked", "varlen"},
+    "fa4": {"full", "padded", "varlen"},
+    "flash_attn": {"full", "varlen"},
 }
-_REGISTRY: dict[str, _Backend] = {"sdpa": _Backend(_sdpa, supports_mask=True)}
+# Fastest first, as measured on an H200 (docs/performance.md): FA4 1.18x cuDNN SDPA on relay's
+# video attention; flex only where a mask is unavoidable.
+_SPEED_ORDER = {"full": ("fa4", "flash_attn", "sdpa"), "padded": ("fa4", "flex", "sdpa"),
+                "chunked": ("flex", "sdpa"), "varlen": ("fa4", "flash_attn", "sdpa")}
+# kernel -> (module that must import, attribute of the full-attention function)
+_PACKAGES = {"fa4": ("flash_attn.cute", "flash_attn_func"),
+             "flash_attn": ("flash_attn", "flash_attn_func")}
 _IMPORT_ERRORS: dict[str, str] = {}
 
 
-def register_backend(name: str, fn: AttentionFn, supports_mask: bool) -> None:
-    """Registers `fn(q, k, v, mask) -> out` under `name` ([B, heads, N, head_dim] layout).
-
-    A backend with supports_mask=False is only called with mask=None; `attention` raises
-    ValueError for it otherwise. Re-registering a name replaces it.
-    """
-    _REGISTRY[name] = _Backend(fn, supports_mask)
-
-
-def _try_load(name: str) -> None:
-    """Registers optional backend `name` if its package imports; remembers why not otherwise."""
-    if name in _REGISTRY or name in _IMPORT_ERRORS:
-        return
-    module_name, attr = _OPTIONAL[name]
-    try:
-        kernel = getattr(importlib.import_module(module_name), attr)
-    except Exception as exc:  # a broken CUDA build raises more than ImportError
-        _IMPORT_ERRORS[name] = f"{type(exc).__name__}: {exc}"
-        return
-    register_backend(name, _flash_layout(kernel), supports_mask=False)
-
-
 def known_backends() -> list[str]:
-    """Every backend name `attention` accepts, available here or not."""
-    return sorted(set(_REGISTRY) | set(_OPTIONAL))
-
-
-def backend_supports_mask(name: str) -> bool:
-    """Whether backend `name` accepts a mask (optional FlashAttention backends do not).
-
-    Answers without importing anything, so a login node can validate a config.
-    Raises ValueError for an unknown name.
-    """
-    if name in _REGISTRY:
-        return _REGISTRY[name].supports_mask
-    if name in _OPTIONAL:
-        return False
-    raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(known_backends())}")
-
-
-def available_backends() -> list[str]:
-    """The backend names usable in this process (always includes "sdpa")."""
-    for name in _OPTIONAL:
-        _try_load(name)
-    return sorted(_REGISTRY)
-
-
-def _get_backend(name: str) -> _Backend:
-    if name in _REGISTRY:
-        return _REGISTRY[name]
-    if name not in _OPTIONAL:
-        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(known_backends())}")
-    _try_load(name)
-    if name not in _REGISTRY:
-        package = _OPTIONAL[name][0]
-        raise ImportError(
-            f"attention backend {name!r} needs the package {package!r}, which does not import here "
-            f"({_IMPORT_ERRORS[name]}); install it (pip extra 'gpu') or set attention_backend='sdpa'"
-        )
-    return _REGISTRY[name]
-
-
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None = None,
-    backend: str = "sdpa",
-) -> torch.Tensor:
-    """Softmax attention of q over (k, v) with the chosen backend.
-
-    q: [B, heads, Nq, head_dim]; k, v: [B, heads, Nk, head_dim]; mask: bool, broadcastable to
-    [B, heads, Nq, Nk], True = may attend, or None for full attention. Every query row must allow
-    at least one key (a fully masked row gives NaN with SDPA).
-    Returns [B, heads, Nq, head_dim].
-    Raises ValueError for an unknown backend or a mask given to a backend that supports only
-    mask=None (flash_attn, fa4); ImportError naming the package when the backend's package is
-    missing.
-    """
-    chosen = _get_backend(backend)
-    if mask is not None:
-        if mask.dtype != torch.bool:
-            raise ValueError(f"attention mask must be bool (True = may attend), got {mask.dtype}")
-        if not chosen.supports_mask:
-            raise ValueError(
-                f"attention backend {backend!r} supports only mask=None; masked attention "
-                "(block-causal, teacher forcing, padded text) needs backend='sdpa'"
-            )
-        if mask.ndim < 4:
-            # some SDPA kernels broadcast only over leading singleton dims that exist
-            mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
-    return chosen.fn(q, k, v, mask)
+    """Every `attention_backend` value the model accepts, available here or not."""
+    return list(BACKENDS)
 
 
 # --------------------------------------------------------------------------------------------
-# masks
-
-
-def _check_layout(num_frames: int, tokens_per_frame: int, chunk_size: int, num_prefix_tokens: int,
-                  window_chunks: int | None) -> None:
-    for name, value, low in (("num_frames", num_frames, 1), ("tokens_per_frame", tokens_per_frame, 1),
-                             ("chunk_size", chunk_size, 1), ("num_prefix_tokens", num_prefix_tokens, 0)):
-        if int(value) != value or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    if window_chunks is not None and (int(window_chunks) != window_chunks or window_chunks < 0):
-        raise ValueError(f"window_chunks must be None or an integer >= 0, got {window_chunks!r}")
+# the structure of chunked attention
 
 
 def chunk_ids(num_frames: int, tokens_per_frame: int, chunk_size: int) -> torch.Tensor:
@@ -182,70 +92,384 @@ def chunk_ids(num_frames: int, tokens_per_frame: int, chunk_size: int) -> torch.
     return frames // chunk_size
 
 
-def _causal_window(q_chunk: torch.Tensor, k_chunk: torch.Tensor, window_chunks: int | None,
-                   strict: bool) -> torch.Tensor:
-    q = q_chunk[:, None]
-    k = k_chunk[None, :]
-    allowed = k < q if strict else k <= q
-    if window_chunks is not None:
-        allowed &= k >= q - window_chunks
-    return allowed
+def _check_layout(num_frames: int, tokens_per_frame: int, chunk_size: int,
+                  window_chunks: int | None) -> None:
+    for name, value in (("num_frames", num_frames), ("tokens_per_frame", tokens_per_frame),
+                        ("chunk_size", chunk_size)):
+        if int(value) != value or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if window_chunks is not None and (int(window_chunks) != window_chunks or window_chunks < 0):
+        raise ValueError(f"window_chunks must be None or an integer >= 0, got {window_chunks!r}")
 
 
-def _with_prefix(video_block: torch.Tensor, num_prefix_tokens: int) -> torch.Tensor:
-    """Adds prefix rows/columns: everyone sees the prefix, the prefix sees only itself.
+def _allowed(q_chunk, q_noisy, k_chunk, k_noisy, window: int | None):
+    """The chunk rule, elementwise on broadcastable index tensors (ALGORITHMS.md §5.2).
 
-    Keeping prefix (text) states independent of the video is what lets a KV cache compute the
-    text K/V once per caption.
+    A clean key is seen by a clean query of the same or a later chunk and by a noisy query of a
+    strictly later chunk, within `window` chunks; a noisy key only by noisy queries of its own
+    chunk. Block-causal attention is the rule with every token clean. Written once, for the
+    dense masks and for FlexAttention's mask_mod, so the two cannot disagree.
     """
-    p = num_prefix_tokens
-    n = video_block.shape[0]
-    mask = torch.zeros(p + n, p + n, dtype=torch.bool)
-    mask[:, :p] = True
-    mask[p:, p:] = video_block
+    clean_key = ~k_noisy & (k_chunk <= q_chunk - q_noisy.to(q_chunk.dtype))
+    if window is not None:
+        clean_key = clean_key & (k_chunk >= q_chunk - window)
+    return clean_key | (k_noisy & q_noisy & (k_chunk == q_chunk))
+
+
+def block_causal_mask(num_frames: int, tokens_per_frame: int, chunk_size: int,
+                      window_chunks: int | None = None) -> torch.Tensor:
+    """Block-causal mask over video tokens: bool [V, V], True = the query may see the key.
+
+    V = num_frames * tokens_per_frame, chunks of chunk_size frames (the last may be shorter).
+    A query in chunk i sees keys in chunks j with max(0, i - window_chunks) <= j <= i (no lower
+    bound when window_chunks is None). Raises ValueError for non-integer or out-of-range sizes.
+    """
+    _check_layout(num_frames, tokens_per_frame, chunk_size, window_chunks)
+    ch = chunk_ids(num_frames, tokens_per_frame, chunk_size)
+    clean = torch.zeros_like(ch, dtype=torch.bool)
+    return _allowed(ch[:, None], clean[:, None], ch[None, :], clean[None, :], window_chunks)
+
+
+def teacher_forcing_mask(num_frames: int, tokens_per_frame: int, chunk_size: int,
+                         window_chunks: int | None = None) -> torch.Tensor:
+    """Teacher-forcing mask over `[clean_0..clean_{M-1} | noisy_0..noisy_{M-1}]`: bool [2V, 2V].
+
+    True = allowed (ALGORITHMS.md §5.2): clean chunk i sees clean chunks max(0, i -
+    window_chunks)..i; noisy chunk i sees its own noisy chunk and clean chunks
+    max(0, i - window_chunks)..i-1 (never clean chunk i or later); clean never sees noisy.
+    Raises ValueError for non-integer or out-of-range sizes.
+    """
+    _check_layout(num_frames, tokens_per_frame, chunk_size, window_chunks)
+    ch = chunk_ids(num_frames, tokens_per_frame, chunk_size).repeat(2)
+    noisy = torch.arange(ch.numel()) >= ch.numel() // 2
+    return _allowed(ch[:, None], noisy[:, None], ch[None, :], noisy[None, :], window_chunks)
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """The structure of chunked attention over `[video keys | prefix keys]`.
+
+    kind "block_causal": queries and structured keys are the V video tokens; "teacher_forcing":
+    both are `[clean | noisy]`, 2V tokens. num_frames counts patch-frames and chunk_size is in
+    patch-frames. The num_prefix keys after the structured ones are seen by every query.
+    """
+
+    kind: str
+    num_frames: int
+    tokens_per_frame: int
+    chunk_size: int
+    window_chunks: int | None
+    num_prefix: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("block_causal", "teacher_forcing"):
+            raise ValueError(f"ChunkLayout kind must be block_causal or teacher_forcing, got {self.kind!r}")
+        _check_layout(self.num_frames, self.tokens_per_frame, self.chunk_size, self.window_chunks)
+
+    @property
+    def num_queries(self) -> int:
+        video = self.num_frames * self.tokens_per_frame
+        return 2 * video if self.kind == "teacher_forcing" else video
+
+    @property
+    def num_keys(self) -> int:
+        return self.num_queries + self.num_prefix
+
+    def token_ids(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chunk index long [num_keys], noisy bool [num_keys]) of every key position.
+
+        Queries are the first num_queries positions. Prefix positions get chunk 0, clean:
+        the rule never reads them (prefix keys are always visible).
+        """
+        ch = chunk_ids(self.num_frames, self.tokens_per_frame, self.chunk_size)
+        noisy = torch.zeros_like(ch, dtype=torch.bool)
+        if self.kind == "teacher_forcing":
+            ch, noisy = ch.repeat(2), torch.cat([noisy, ~noisy])
+        pad = self.num_prefix
+        ch = torch.cat([ch, ch.new_zeros(pad)])
+        noisy = torch.cat([noisy, noisy.new_zeros(pad)])
+        return ch.to(device), noisy.to(device)
+
+    def dense(self, device=None) -> torch.Tensor:
+        """bool [num_queries, num_keys], True = allowed."""
+        build = teacher_forcing_mask if self.kind == "teacher_forcing" else block_causal_mask
+        video = build(self.num_frames, self.tokens_per_frame, self.chunk_size, self.window_chunks)
+        prefix = torch.ones(video.shape[0], self.num_prefix, dtype=torch.bool)
+        return torch.cat([video, prefix], dim=1).to(device)
+
+    def mask_mod(self, key_lengths: torch.Tensor | None, device):
+        """FlexAttention's mask_mod(b, h, q_idx, kv_idx) for this layout and key padding."""
+        ch, noisy = self.token_ids(device)
+        structured, window = self.num_queries, self.window_chunks
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            seen = (kv_idx >= structured) | _allowed(ch[q_idx], noisy[q_idx], ch[kv_idx],
+                                                     noisy[kv_idx], window)
+            if key_lengths is not None:
+                seen = seen & (kv_idx < key_lengths[b])
+            return seen
+
+        return mask_mod
+
+
+@functools.lru_cache(maxsize=16)
+def _dense_layout_mask(layout: ChunkLayout, device: torch.device) -> torch.Tensor:
+    return layout.dense(device)
+
+
+# --------------------------------------------------------------------------------------------
+# kernels
+
+
+def _load(kernel: str):
+    """The package module of an optional kernel, or None (the reason kept for the error)."""
+    module_name, function = _PACKAGES[kernel]
+    if kernel in _IMPORT_ERRORS:
+        return None
+    try:
+        module = importlib.import_module(module_name)
+        # FA4 alone installs `flash_attn/cute/`, which makes `flash_attn` an importable
+        # namespace package without FlashAttention 2's functions.
+        getattr(module, function)
+        return module
+    except Exception as exc:  # a broken CUDA build raises more than ImportError
+        _IMPORT_ERRORS[kernel] = f"{type(exc).__name__}: {exc}"
+        return None
+
+
+def available_kernels() -> list[str]:
+    """The kernels whose packages import in this process ("sdpa" and "flex" always)."""
+    return ["sdpa", "flex"] + [k for k in _PACKAGES if _load(k) is not None]
+
+
+def _runs_here(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `kernel` can run on these inputs (package present, GPU generation, dtype)."""
+    if kernel == "sdpa":
+        return True
+    if device.type != "cuda":
+        return False
+    if kernel == "flex":
+        return True
+    major, _ = torch.cuda.get_device_capability(device)
+    half = dtype in (torch.bfloat16, torch.float16) and head_dim % 8 == 0
+    if kernel == "fa4":
+        # FA4's CuTe kernels exist for Hopper (sm90, head_dim up to 256) and Blackwell (128).
+        limit = 256 if major == 9 else 128
+        ok = half and major in (9, 10, 11) and head_dim <= limit
+    else:
+        ok = half and major >= 8 and head_dim <= 256
+    return ok and _load(kernel) is not None
+
+
+def choose_kernel(backend: str, form: str, runs_here) -> str:
+    """The kernel for `form` given the preferred `backend` and `runs_here(kernel) -> bool`.
+
+    An explicit backend is used for every form it computes and can run here; otherwise, and
+    for "auto", the fastest kernel that computes the form and runs here. Raises ValueError for
+    an unknown backend or form; ImportError when an explicitly named backend's package does
+    not import (a config that asks for FA4 on a machine without it is a mistake, not a hint).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; known: {', '.join(BACKENDS)}")
+    if form not in _SPEED_ORDER:
+        raise ValueError(f"unknown attention form {form!r}")
+    if backend in _PACKAGES and _load(backend) is None:
+        package = _PACKAGES[backend][0]
+        raise ImportError(
+            f"attention backend {backend!r} needs the package {package!r}, which does not import "
+            f"here ({_IMPORT_ERRORS[backend]}); install it (pip extra 'gpu') or set "
+            "attention_backend to 'auto' or 'sdpa'")
+    if backend != "auto" and form in _FORMS[backend] and runs_here(backend):
+        return backend  # "sdpa" computes every form, so it stays the reference everywhere
+    return next(k for k in _SPEED_ORDER[form] if runs_here(k))
+
+
+@functools.lru_cache(maxsize=None)
+def _log_route(backend: str, form: str, kernel: str, where: str) -> None:
+    log.info("attention: %s attention -> %s (attention_backend=%s, %s)", form, kernel, backend, where)
+
+
+def _sdpa(q, k, v, mask=None):
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask)
+    return out.transpose(1, 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # flex_attention is only fast compiled; compiled once here, or inlined into a compiled block.
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex(q, k, v, block_mask):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # Inside a compiled block flex is traced into the block's graph; eager GPU code needs the
+    # compiled kernel; eager flex on a CPU is the (slow) reference the tests use.
+    eager_gpu = q.is_cuda and not torch.compiler.is_compiling()
+    fn = _compiled_flex() if eager_gpu else flex_attention
+    out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask)
+    return out.transpose(1, 2)
+
+
+def _first(out):
+    # FlashAttention releases differ: some return (out, lse), some out only.
+    return out[0] if isinstance(out, tuple) else out
+
+
+class _ZeroPaddedKeyGrad(torch.autograd.Function):
+    """Identity on keys/values [B, Nk, heads, head_dim]; its backward zeroes the rows past
+    each sample's length.
+
+    FA4's backward with seqused_k never writes dK and dV for unused keys: they hold whatever
+    the allocator's memory held (seen on an H200 as gradients 10^5 times too large flowing into
+    the caption embedder). Zeroing them is what the masked reference computes.
+    """
+
+    @staticmethod
+    def forward(ctx, x, key_lengths):
+        ctx.save_for_backward(key_lengths)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (key_lengths,) = ctx.saved_tensors
+        used = torch.arange(grad.shape[1], device=grad.device)[None, :] < key_lengths[:, None]
+        return grad.masked_fill(~used[:, :, None, None], 0), None
+
+
+# The external kernels are opaque to torch.compile: a compiled block breaks its graph around
+# them rather than tracing into CuTe DSL or C++ extension code.
+@torch.compiler.disable
+def _fa4(q, k, v, key_lengths=None):
+    cute = _load("fa4")
+    if key_lengths is None:
+        return _first(cute.flash_attn_func(q, k, v))
+    k, v = _ZeroPaddedKeyGrad.apply(k, key_lengths), _ZeroPaddedKeyGrad.apply(v, key_lengths)
+    return _first(cute.flash_attn_varlen_func(q, k, v, seqused_k=key_lengths))
+
+
+@torch.compiler.disable
+def _flash_attn(q, k, v):
+    return _first(_load("flash_attn").flash_attn_func(q, k, v))
+
+
+# --------------------------------------------------------------------------------------------
+# plans
+
+
+class AttentionPlan(NamedTuple):
+    """One forward pass's attention: the kernel and what it needs, prepared once.
+
+    A NamedTuple so torch.compile treats it as plain data (a tuple of tensors and constants).
+    Run it with `attend(plan, q, k, v)`.
+    """
+
+    kernel: str
+    key_lengths: torch.Tensor | None  # int32 [B] (fa4) or None
+    mask: Any  # sdpa: bool broadcastable to [B, heads, Nq, Nk]; flex: BlockMask; else None
+
+
+def attend(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of q [B, Nq, heads, head_dim] over k, v [B, Nk, heads, head_dim] as
+    `plan` says; returns [B, Nq, heads, head_dim]."""
+    if plan.kernel == "sdpa":
+        return _sdpa(q, k, v, plan.mask)
+    if plan.kernel == "flex":
+        return _flex(q, k, v, plan.mask)
+    if plan.kernel == "fa4":
+        return _fa4(q, k, v, plan.key_lengths)
+    return _flash_attn(q, k, v)
+
+
+def _sdpa_mask(layout: ChunkLayout | None, key_lengths: torch.Tensor | None, num_keys: int,
+               device) -> torch.Tensor | None:
+    mask = None if layout is None else _dense_layout_mask(layout, torch.device(device))
+    if key_lengths is not None:
+        keys = torch.arange(num_keys, device=device)[None, :] < key_lengths[:, None]  # [B, Nk]
+        keys = keys[:, None, None, :]
+        mask = keys if mask is None else mask & keys
+    if mask is not None and mask.ndim < 4:
+        # some SDPA kernels broadcast only over leading singleton dims that exist
+        mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
     return mask
 
 
-def block_causal_mask(
-    num_frames: int,
-    tokens_per_frame: int,
-    chunk_size: int,
-    num_prefix_tokens: int = 0,
-    window_chunks: int | None = None,
-) -> torch.Tensor:
-    """Block-causal mask over `[prefix | video]`: bool [P + V, P + V], True = allowed.
+def _flex_block_mask(layout: ChunkLayout | None, key_lengths: torch.Tensor | None,
+                     num_queries: int, num_keys: int, device):
+    from torch.nn.attention.flex_attention import create_block_mask
 
-    V = num_frames * tokens_per_frame, chunks of chunk_size frames (the last may be shorter).
-    A video query in chunk i sees video keys in chunks j with max(0, i - window_chunks) <= j <= i
-    (no lower bound when window_chunks is None), and every prefix key. Prefix queries see only
-    prefix keys. Raises ValueError for non-integer or out-of-range sizes.
+    if layout is None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx < key_lengths[b]
+    else:
+        mask_mod = layout.mask_mod(key_lengths, device)
+    batch = None if key_lengths is None else key_lengths.shape[0]
+    # _compile evaluates the rule block by block: the dense grid of a production teacher-forcing
+    # step (65k x 66k) would not fit.
+    return create_block_mask(mask_mod, batch, None, num_queries, num_keys, device=device,
+                             _compile=torch.device(device).type == "cuda")
+
+
+def plan_attention(backend: str, *, num_queries: int, num_keys: int, head_dim: int,
+                   dtype: torch.dtype, device, key_lengths: torch.Tensor | None = None,
+                   layout: ChunkLayout | None = None) -> AttentionPlan:
+    """The plan for attention of num_queries queries over num_keys keys (q's dtype `dtype`).
+
+    key_lengths: int [B] keys used per sample (padding last), or None for no padding. layout:
+    the chunk structure of the first layout.num_queries keys, or None. Raises ValueError for
+    an unknown backend, a layout whose sizes disagree with num_queries / num_keys, or key
+    lengths out of range; ImportError as `choose_kernel`.
     """
-    _check_layout(num_frames, tokens_per_frame, chunk_size, num_prefix_tokens, window_chunks)
-    ch = chunk_ids(num_frames, tokens_per_frame, chunk_size)
-    return _with_prefix(_causal_window(ch, ch, window_chunks, strict=False), num_prefix_tokens)
+    device = torch.device(device)
+    if layout is not None and (layout.num_queries != num_queries or layout.num_keys > num_keys):
+        raise ValueError(f"chunk layout for {layout.num_queries} queries over {layout.num_keys} keys "
+                         f"does not fit {num_queries} queries over {num_keys} keys")
+    form = "chunked" if layout is not None else "padded" if key_lengths is not None else "full"
+    kernel = choose_kernel(backend, form, lambda k: _runs_here(k, device, dtype, head_dim))
+    _log_route(backend, form, kernel, f"{device.type}, {str(dtype).removeprefix('torch.')}")
+    if key_lengths is not None:
+        key_lengths = key_lengths.to(device=device, dtype=torch.int32)
+    if kernel == "sdpa":
+        return AttentionPlan("sdpa", None, _sdpa_mask(layout, key_lengths, num_keys, device))
+    if kernel == "flex":
+        return AttentionPlan("flex", None, _flex_block_mask(layout, key_lengths, num_queries,
+                                                            num_keys, device))
+    return AttentionPlan(kernel, key_lengths, None)
 
 
-def teacher_forcing_mask(
-    num_frames: int,
-    tokens_per_frame: int,
-    chunk_size: int,
-    num_prefix_tokens: int = 0,
-    window_chunks: int | None = None,
-) -> torch.Tensor:
-    """Teacher-forcing mask over `[prefix | clean_0..clean_{M-1} | noisy_0..noisy_{M-1}]`.
+# --------------------------------------------------------------------------------------------
+# packed sequences
 
-    Returns bool [P + 2V, P + 2V], True = allowed (ALGORITHMS.md §5.2): the diagonal; clean
-    chunk i sees clean chunks max(0, i - window_chunks)..i; noisy chunk i sees its own noisy
-    chunk and clean chunks max(0, i - window_chunks)..i-1 (never clean chunk i or later); clean
-    never sees noisy. Every query sees the prefix; prefix queries see only the prefix.
-    Raises ValueError for non-integer or out-of-range sizes.
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                     backend: str = "auto") -> torch.Tensor:
+    """Attention within packed sequences: sequence i's queries q[cu_q[i]:cu_q[i+1]] see only
+    its keys k[cu_k[i]:cu_k[i+1]].
+
+    q: [total_q, heads, head_dim]; k, v: [total_k, heads, head_dim]; cu_seqlens_*: int32
+    [num_sequences + 1], starting at 0. Returns [total_q, heads, head_dim]. SDPA runs one call
+    per sequence (exact, slow: for CPU and tests). Raises like `choose_kernel`.
     """
-    _check_layout(num_frames, tokens_per_frame, chunk_size, num_prefix_tokens, window_chunks)
-    ch = chunk_ids(num_frames, tokens_per_frame, chunk_size)
-    v = ch.numel()
-    video = torch.zeros(2 * v, 2 * v, dtype=torch.bool)
-    video[:v, :v] = _causal_window(ch, ch, window_chunks, strict=False)
-    video[v:, v:] = ch[:, None] == ch[None, :]
-    video[v:, :v] = _causal_window(ch, ch, window_chunks, strict=True)
-    video |= torch.eye(2 * v, dtype=torch.bool)
-    return _with_prefix(video, num_prefix_tokens)
+    kernel = choose_kernel(backend, "varlen",
+                           lambda name: _runs_here(name, q.device, q.dtype, q.shape[-1]))
+    _log_route(backend, "varlen", kernel, f"{q.device.type}, {str(q.dtype).removeprefix('torch.')}")
+    if kernel == "sdpa":
+        bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        outs = [_sdpa(q[None, a:b], k[None, c:d], v[None, c:d])[0]
+                for a, b, c, d in zip(bounds_q[:-1], bounds_q[1:], bounds_k[:-1], bounds_k[1:])]
+        return torch.cat(outs)
+    return _varlen_external(kernel, q, k, v, cu_seqlens_q.to(torch.int32),
+                            cu_seqlens_k.to(torch.int32), max_seqlen_q, max_seqlen_k)
+
+
+@torch.compiler.disable
+def _varlen_external(kernel, q, k, v, cu_q, cu_k, max_q, max_k):
+    module = _load(kernel)
+    if kernel == "fa4":
+        return _first(module.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                                    max_seqlen_q=max_q, max_seqlen_k=max_k))
+    return _first(module.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k))

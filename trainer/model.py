@@ -16,10 +16,12 @@ timestep would tie its K/V to t, and per-frame times in causal stages would leav
 to use.) Text tokens get no RoPE; RoPE at position 0 is the identity, so this is the same as
 giving them position 0.
 
-Attention runs in two calls per block, text over text and video over [text | video], instead of
-one call with a joint mask. The video call then needs no mask at all in the bidirectional case
-without padded text (so mask-less kernels such as FlashAttention apply), and under context
-parallelism the text stream can stay replicated while video tokens are split.
+Attention runs in two calls per block, text over text and video over [video | text], instead of
+one call with a joint mask. The video call then needs no mask at all in the bidirectional case,
+and under context parallelism the text stream can stay replicated while video tokens are split.
+The caption's keys come last, so its padding is a number of used keys per sample (a sequence
+length for FlashAttention), never a dense mask; a mask that hides nothing is dropped before
+attention. trainer/attention.py routes each call to its kernel.
 
 Modes: bidirectional (`causal_chunk_size=None`, or `forward(..., causal=False)`), block-causal
 over chunks of `causal_chunk_size` latent frames (optionally a sliding window of
@@ -28,15 +30,15 @@ cache for chunk-by-chunk rollout (`new_kv_cache`, `forward_chunk`, `commit_chunk
 docs/model.md.
 
 Timesteps are raw (N * sigma, 0..1000). A timestep is per sample [B] or per latent frame
-[B, T]; per-frame times are embedded per patch-frame (the first latent frame of each) and the
-resulting modulation is looked up per token by its frame, never by list position, so token
-sequences can later be split across ranks.
+[B, T]; per-frame times are embedded per patch-frame (the first latent frame of each). The
+modulation is one vector per run of tokens that share a time (a sample, or a frame) and is
+broadcast over the run, never copied per token; per-frame times that are all equal take the
+per-sample path. A split of the token sequence across ranks must cut at run boundaries.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -45,7 +47,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer.attention import attention, block_causal_mask, teacher_forcing_mask
+from trainer.attention import AttentionPlan, ChunkLayout, attend, plan_attention
 from trainer.model_config import DiTConfig
 
 __all__ = ["KVCache", "VideoDiT", "timestep_features"]
@@ -83,11 +85,13 @@ class TimestepEmbedder(nn.Module):
         return self.linear_2(F.silu(self.linear_1(feats)))
 
 
-def rope_rotation(positions: torch.Tensor, axes_dim: tuple[int, int, int], theta: float) -> torch.Tensor:
-    """Complex unit rotations [N, head_dim / 2] for integer grid positions [N, 3] (frame, row, col).
+def rope_tables(positions: torch.Tensor, axes_dim: tuple[int, int, int], theta: float,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [N, head_dim / 2] of the rotation angles for grid positions [N, 3].
 
-    Each axis owns axes_dim[a] channels of the head, i.e. axes_dim[a] / 2 rotation pairs.
-    complex64, or complex128 when positions come with float64 work (see apply_rope).
+    Each axis (frame, row, col) owns axes_dim[a] channels of the head, i.e. axes_dim[a] / 2
+    rotation pairs. Angles are computed in float64 (frame indices times small frequencies),
+    then the tables are cast to `dtype`.
     """
     angles = []
     for axis, dim in enumerate(axes_dim):
@@ -96,19 +100,26 @@ def rope_rotation(positions: torch.Tensor, axes_dim: tuple[int, int, int], theta
         inv_freq = theta ** (-torch.arange(0, dim, 2, device=positions.device, dtype=torch.float64) / dim)
         angles.append(positions[:, axis, None].to(torch.float64) * inv_freq)
     angle = torch.cat(angles, dim=-1)
-    return torch.polar(torch.ones_like(angle), angle)
+    return torch.cos(angle).to(dtype), torch.sin(angle).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """Rotates consecutive channel pairs of x [B, heads, N, head_dim] by per-token rotations.
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates consecutive channel pairs of x [B, N, heads, head_dim] by per-token angles.
 
-    Done as one complex multiply (several times faster on CPU than the real-valued form) in
-    float32, or float64 for float64 input; returns x's dtype.
+    In float32, or float64 for float64 input; returns x's dtype. cos, sin: [N, head_dim / 2].
+    Real arithmetic on GPUs and under torch.compile (Inductor generates no code for complex
+    tensors); one complex multiply in eager CPU code, where the strided real form is several
+    times slower (the embedded default trains on CPUs).
     """
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
-    rot = rotation.to(torch.complex128 if work == torch.float64 else torch.complex64)
-    pairs = torch.view_as_complex(x.to(work).unflatten(-1, (-1, 2)).contiguous())
-    return torch.view_as_real(pairs * rot).flatten(-2).to(x.dtype)
+    c, s = cos[:, None].to(work), sin[:, None].to(work)
+    pairs = x.to(work).unflatten(-1, (-1, 2))
+    if x.is_cuda or torch.compiler.is_compiling():
+        even, odd = pairs.unbind(-1)
+        rotated = torch.stack([even * c - odd * s, even * s + odd * c], dim=-1)
+    else:
+        rotated = torch.view_as_real(torch.view_as_complex(pairs.contiguous()) * torch.complex(c, s))
+    return rotated.flatten(-2).to(x.dtype)
 
 
 def grid_positions(num_frames: int, rows: int, cols: int, frame_start: int,
@@ -121,6 +132,35 @@ def grid_positions(num_frames: int, rows: int, cols: int, frame_start: int,
     return grid.reshape(-1, 3)
 
 
+class InputDtypeLayerNorm(nn.LayerNorm):
+    """LayerNorm that returns its input's dtype, also under autocast.
+
+    Autocast runs layer_norm in float32 and returns float32: a bf16 residual then leaves a
+    float32 copy of every normalised activation for the backward. The kernel accumulates in
+    float32 either way; only its output is rounded, and the next linear rounds it anyway.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            return super().forward(x)
+
+
+class HeadRMSNorm(nn.RMSNorm):
+    """RMSNorm whose weight is cast to the input's dtype (q/k norm under bf16 autocast).
+
+    With a float32 weight and bf16 input torch falls back from the fused kernel to a composite
+    one ("Mismatch dtype between input and weight"). Same parameter, so checkpoints load.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
+
+
+def _by_group(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Tokens [B, N, D] as [B, groups, N / groups, D] (a view: groups are contiguous runs)."""
+    return x.unflatten(1, (groups, -1))
+
+
 class BlockOutput(NamedTuple):
     """What a block returns: updated streams and the K/V (RoPE'd for video) it attended with."""
 
@@ -131,19 +171,21 @@ class BlockOutput(NamedTuple):
 
 
 class DiTBlock(nn.Module):
-    """Pre-norm attention + MLP block; video tokens modulated (adaLN-Zero), text tokens not."""
+    """Pre-norm attention + MLP block; video tokens modulated (adaLN-Zero), text tokens not.
+
+    Streams are [B, N, D]; queries, keys and values [B, N, heads, head_dim].
+    """
 
     def __init__(self, cfg: DiTConfig):
         super().__init__()
         d = cfg.hidden_size
-        self.cfg = cfg  # shared with the model, so a changed attention_backend applies at once
         self.num_heads = cfg.num_attention_heads
-        self.norm1 = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.norm1 = InputDtypeLayerNorm(d, elementwise_affine=False, eps=1e-6)
         self.qkv = nn.Linear(d, 3 * d)
-        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=1e-6) if cfg.qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=1e-6) if cfg.qk_norm else nn.Identity()
+        self.q_norm = HeadRMSNorm(cfg.head_dim, eps=1e-6) if cfg.qk_norm else nn.Identity()
+        self.k_norm = HeadRMSNorm(cfg.head_dim, eps=1e-6) if cfg.qk_norm else nn.Identity()
         self.proj = nn.Linear(d, d)
-        self.norm2 = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.norm2 = InputDtypeLayerNorm(d, elementwise_affine=False, eps=1e-6)
         hidden = int(d * cfg.mlp_ratio)
         self.mlp = nn.Sequential(nn.Linear(d, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, d))
         # SiLU(conditioning) -> shift, scale, gate for attention, then for the MLP
@@ -151,49 +193,48 @@ class DiTBlock(nn.Module):
 
     def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = self.qkv(h).unflatten(-1, (3, self.num_heads, -1)).unbind(dim=-3)
-        q, k = self.q_norm(q), self.k_norm(k)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return self.q_norm(q), self.k_norm(k), v
 
-    def _merge(self, o: torch.Tensor) -> torch.Tensor:
-        return self.proj(o.transpose(1, 2).flatten(-2))
-
-    def forward_text(self, txt: torch.Tensor, mask: torch.Tensor | None, need_output: bool = True):
+    def forward_text(self, txt: torch.Tensor, plan: AttentionPlan, need_output: bool = True):
         """Text stream, attending to text only: (updated text or None, k, v).
 
-        mask: bool [B, 1, L, L] or None; k, v: [B, heads, L, head_dim]. need_output=False skips
-        the residual updates (the last block's text output is never read).
+        plan: the text-over-text attention plan; k, v: [B, L, heads, head_dim]. need_output=False
+        skips the residual updates (the last block's text output is never read).
         """
         q, k, v = self._qkv(self.norm1(txt))
         if not need_output:
             return None, k, v
-        txt = txt + self._merge(attention(q, k, v, mask, self.cfg.attention_backend))
+        txt = txt + self.proj(attend(plan, q, k, v).flatten(-2))
         txt = txt + self.mlp(self.norm2(txt))
         return txt, k, v
 
-    def forward_video(self, vid: torch.Tensor, mod: torch.Tensor, rotation: torch.Tensor,
-                      prefix_k: torch.Tensor, prefix_v: torch.Tensor, mask: torch.Tensor | None):
-        """Video stream over keys [prefix | own video]: (updated video, k, v), k with RoPE.
+    def forward_video(self, vid: torch.Tensor, mod: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                      prefix_k: torch.Tensor, prefix_v: torch.Tensor, plan: AttentionPlan):
+        """Video stream over keys [own video | prefix]: (updated video, k, v), k with RoPE.
 
-        mod: [B, 1 or N, 6D] modulation; rotation: RoPE of its tokens; prefix_k/v: [B, heads, P,
-        head_dim]; mask: bool broadcastable to [B, heads, N, P + N] or None.
+        mod: [B, G, 6D], one modulation per group of N / G consecutive tokens (G = 1: per
+        sample; G = frames: per frame), broadcast over the group rather than copied per token.
+        rope: (cos, sin) of its tokens; prefix_k/v: [B, P, heads, head_dim]; plan: the video
+        attention plan for N queries over N + P keys.
         """
-        shift1, scale1, gate1, shift2, scale2, gate2 = mod.chunk(6, dim=-1)
-        q, k, v = self._qkv(self.norm1(vid) * (1 + scale1) + shift1)
-        q, k = apply_rope(q, rotation), apply_rope(k, rotation)
-        keys = torch.cat([prefix_k, k], dim=2)
-        values = torch.cat([prefix_v, v], dim=2)
-        vid = vid + gate1 * self._merge(attention(q, keys, values, mask, self.cfg.attention_backend))
-        vid = vid + gate2 * self.mlp(self.norm2(vid) * (1 + scale2) + shift2)
-        return vid, k, v
+        groups = mod.shape[1]
+        shift1, scale1, gate1, shift2, scale2, gate2 = mod[:, :, None].chunk(6, dim=-1)
+        x = _by_group(vid, groups)
+        q, k, v = self._qkv((self.norm1(x) * (1 + scale1) + shift1).flatten(1, 2))
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = attend(plan, q, torch.cat([k, prefix_k], dim=1), torch.cat([v, prefix_v], dim=1))
+        x = x + gate1 * _by_group(self.proj(out.flatten(-2)), groups)
+        x = x + gate2 * self.mlp(self.norm2(x) * (1 + scale2) + shift2)
+        return x.flatten(1, 2), k, v
 
     def forward(self, txt: torch.Tensor | None, vid: torch.Tensor | None, *,
-                txt_mask: torch.Tensor | None = None, need_text_output: bool = True,
-                mod: torch.Tensor | None = None, rotation: torch.Tensor | None = None,
-                past_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                vid_mask: torch.Tensor | None = None) -> BlockOutput:
+                text_plan: AttentionPlan | None = None, video_plan: AttentionPlan | None = None,
+                need_text_output: bool = True, mod: torch.Tensor | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                past_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> BlockOutput:
         """One block over the text stream, the video stream, or both.
 
-        The video's key prefix is past_kv (cached [text | committed chunks]) when given, else
+        The video's key prefix is past_kv (cached [committed chunks | text]) when given, else
         this call's text K/V. The model calls blocks only through here, so FSDP2 and activation
         checkpointing, which hook `forward`, see every call; the two stream methods stay
         separately compilable (trainer/warmup.py). Returns BlockOutput; streams not given (and
@@ -202,14 +243,14 @@ class DiTBlock(nn.Module):
         """
         text_kv = None
         if txt is not None:
-            txt, k, v = self.forward_text(txt, txt_mask, need_text_output)
+            txt, k, v = self.forward_text(txt, text_plan, need_text_output)
             text_kv = (k, v)
         video_kv = None
         if vid is not None:
             prefix = past_kv if past_kv is not None else text_kv
             if prefix is None:
                 raise ValueError("the video stream needs a key prefix: text tokens or a cache")
-            vid, k, v = self.forward_video(vid, mod, rotation, prefix[0], prefix[1], vid_mask)
+            vid, k, v = self.forward_video(vid, mod, rope, prefix[0], prefix[1], video_plan)
             video_kv = (k, v)
         return BlockOutput(txt, vid, text_kv, video_kv)
 
@@ -222,30 +263,43 @@ class DiTBlock(nn.Module):
 class KVCache:
     """Keys/values a causal rollout reuses: the caption's, and those of committed chunks.
 
-    text_kv[layer] = (k, v) [B, heads, L, head_dim]; chunks[i][layer] = (k, v) of the i-th kept
-    committed chunk (oldest first, detached, RoPE applied at absolute positions); next_frame is
-    the latent frame where the next chunk starts. Built by VideoDiT.new_kv_cache.
+    text_kv[layer] = (k, v) [B, L, heads, head_dim]; text_lengths: int [B] real caption tokens,
+    or None when no caption is padded; chunks[i][layer] = (k, v) of the i-th kept committed
+    chunk (oldest first, detached, RoPE applied at absolute positions); next_frame is the
+    latent frame where the next chunk starts. Built by VideoDiT.new_kv_cache.
     """
 
     text_kv: list[tuple[torch.Tensor, torch.Tensor]]
-    text_mask: torch.Tensor | None
+    text_lengths: torch.Tensor | None
     chunks: list[list[tuple[torch.Tensor, torch.Tensor]]]
     next_frame: int = 0
 
     def prefix(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [B, heads, L + committed tokens, head_dim] in front of a new chunk."""
-        ks = [self.text_kv[layer][0]] + [c[layer][0] for c in self.chunks]
-        vs = [self.text_kv[layer][1]] + [c[layer][1] for c in self.chunks]
-        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+        """Keys and values [B, committed tokens + L, heads, head_dim] a new chunk attends to
+        besides itself: committed chunks, then the caption (last, so its padding is a length)."""
+        ks = [c[layer][0] for c in self.chunks] + [self.text_kv[layer][0]]
+        vs = [c[layer][1] for c in self.chunks] + [self.text_kv[layer][1]]
+        return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
 
 
-@functools.lru_cache(maxsize=64)
-def _video_rows_mask(kind: str, num_frames: int, tokens_per_frame: int, chunk_size: int,
-                     num_prefix: int, window: int | None, device: torch.device) -> torch.Tensor:
-    build = block_causal_mask if kind == "causal" else teacher_forcing_mask
-    full = build(num_frames, tokens_per_frame, chunk_size, num_prefix, window)
-    # text rows are served by the separate text-only attention call
-    return full[num_prefix:].to(device)
+def text_lengths_of(text_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Real caption tokens per sample, long [B], from a bool [B, L] mask; None if none is padded.
+
+    The mask must mark real tokens first and padding after (as every encoder and the data
+    reader produce). One device sync: the answer decides which attention kernels run.
+    Raises ValueError for a mask with a real token after padding.
+    """
+    if text_mask is None:
+        return None
+    lengths = text_mask.sum(dim=1)
+    positions = torch.arange(text_mask.shape[1], device=text_mask.device)
+    prefix_form = (text_mask == (positions[None, :] < lengths[:, None])).all()
+    unpadded = lengths.min() == text_mask.shape[1]
+    prefix_form, unpadded = torch.stack([prefix_form, unpadded]).tolist()
+    if not prefix_form:
+        raise ValueError("text_mask must mark each caption's real tokens first and its padding "
+                         "after (True...True False...False); got a real token after padding")
+    return None if unpadded else lengths
 
 
 # --------------------------------------------------------------------------------------------
@@ -269,7 +323,7 @@ class VideoDiT(nn.Module):
                                            nn.Linear(d, d))
         self.time_embedder = TimestepEmbedder(d)
         self.blocks = nn.ModuleList(DiTBlock(cfg) for _ in range(cfg.num_layers))
-        self.final_norm = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.final_norm = InputDtypeLayerNorm(d, elementwise_affine=False, eps=1e-6)
         self.final_modulation = nn.Linear(d, 2 * d)
         self.head = nn.Linear(d, cfg.output_channels * patch_volume)
         # A non-persistent buffer: follows .to(), stays out of the state dict, so a two-time
@@ -341,14 +395,19 @@ class VideoDiT(nn.Module):
         return x.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(b, c, t, h, w)
 
     def _frame_times(self, value: Any, batch: int, frames: int, name: str, device) -> torch.Tensor:
-        """Times per patch-frame: [B, 1] for per-sample input, [B, T / pt] for per-frame input."""
+        """Times per patch-frame: [B, 1] for per-sample input, [B, T / pt] for per-frame input.
+
+        Per-frame times equal across a sample's frames (flow matching without clean frames)
+        come back as [B, 1], so the blocks take the per-sample modulation path.
+        """
         t = torch.as_tensor(value, device=device)
         if t.ndim == 0:
             t = t.expand(batch)
         if t.ndim == 1 and t.shape[0] == batch:
             return t[:, None]
         if t.ndim == 2 and tuple(t.shape) == (batch, frames):
-            return t[:, :: self.cfg.patch_size[0]]
+            t = t[:, :: self.cfg.patch_size[0]]
+            return t[:, :1] if bool((t == t[:, :1]).all()) else t
         raise ValueError(f"{name} must be a scalar, [B]={[batch]} or [B, T]={[batch, frames]}, "
                          f"got {list(t.shape)}")
 
@@ -380,65 +439,75 @@ class VideoDiT(nn.Module):
             raise ValueError(f"text_mask must be bool [B, L]={list(text.shape[:2])}, "
                              f"got {text_mask.dtype} {list(text_mask.shape)}")
 
+    # ---- attention plans -------------------------------------------------------------------
+
+    def _compute_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype queries and keys will have: autocast's when it is on, else the weights'."""
+        if torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+        return self.patch_embed.weight.dtype
+
+    def _plan(self, num_queries: int, num_keys: int, device, key_lengths=None, layout=None):
+        return plan_attention(self.cfg.attention_backend, num_queries=num_queries, num_keys=num_keys,
+                              head_dim=self.cfg.head_dim, dtype=self._compute_dtype(device),
+                              device=device, key_lengths=key_lengths, layout=layout)
+
+    def _text_plan(self, text_lengths: torch.Tensor | None, length: int, device) -> AttentionPlan:
+        # At least one key per sample: an all-padding caption's (unused) states stay finite.
+        keys = None if text_lengths is None else text_lengths.clamp(min=1)
+        return self._plan(length, length, device, keys)
+
+    def _video_plan(self, num_video: int, num_keys: int, text_length: int,
+                    text_lengths: torch.Tensor | None, device,
+                    layout: ChunkLayout | None = None) -> AttentionPlan:
+        """Video queries over [own video | prefix ending in the caption of text_length tokens]."""
+        used = None if text_lengths is None else text_lengths + (num_keys - text_length)
+        return self._plan(num_video, num_keys, device, used, layout)
+
     # ---- the two streams -------------------------------------------------------------------
 
-    def _embed_text(self, text: torch.Tensor, text_mask: torch.Tensor | None):
-        """Projected caption tokens and their text-to-text mask (bool [B, 1, L, L] or None)."""
-        mask = None
-        if text_mask is not None:
-            # padded text queries keep their own key so no softmax row is empty
-            eye = torch.eye(text.shape[1], dtype=torch.bool, device=text.device)
-            mask = text_mask[:, None, None, :] | eye
-        return self.text_embedder(text), mask
-
-    @staticmethod
-    def _key_mask(rows: torch.Tensor | None, text_mask: torch.Tensor | None, num_keys: int):
-        """Combines a structural [Nq, Nk] mask with text key padding: None, [Nq, Nk] or [B,1,Nq,Nk]."""
-        if text_mask is None:
-            return rows
-        b, length = text_mask.shape
-        pad = torch.ones(b, num_keys - length, dtype=torch.bool, device=text_mask.device)
-        keys = torch.cat([text_mask, pad], dim=1)[:, None, None, :]
-        return keys if rows is None else rows & keys
-
-    def _run(self, vid, cond, slot_of_token, positions, mask, text=None, past=None, collect_kv=False):
+    def _run(self, vid, cond, slot_of_group, positions, video_plan, text=None, past=None,
+             collect_kv=False):
         """Runs the blocks and the head over video tokens [B, N, D].
 
-        The prefix each block's video attends to is either the caption, run alongside
-        (text = (tokens, text mask) from _embed_text), or past[layer] = cached (k, v).
-        Returns (head output tokens [B, N, patch values], per-layer detached video (k, v) if
-        collect_kv else []).
+        cond: [B, S, D] conditioning slots; the tokens form G equal runs, run g modulated by slot
+        slot_of_group[g] (None: G = S, run g by slot g). The prefix each block's video attends
+        to is either the caption, run alongside (text = (tokens, text plan)), or past[layer] =
+        cached (k, v). Returns (head output tokens [B, N, patch values], per-layer detached
+        video (k, v) if collect_kv else []).
         """
-        rotation = rope_rotation(positions, self.cfg.rope_axes_dim, self.cfg.rope_theta)
+        work = torch.float64 if self._compute_dtype(vid.device) == torch.float64 else torch.float32
+        rope = rope_tables(positions, self.cfg.rope_axes_dim, self.cfg.rope_theta, dtype=work)
         cond = F.silu(cond)
-        txt, txt_mask = text if text is not None else (None, None)
+        txt, text_plan = text if text is not None else (None, None)
         collected = []
         for i, block in enumerate(self.blocks):
             mod = block.modulation(cond)
-            if slot_of_token is not None:
-                mod = mod.index_select(1, slot_of_token)
-            out = block(txt, vid, txt_mask=txt_mask, need_text_output=i + 1 < len(self.blocks), mod=mod,
-                        rotation=rotation, past_kv=None if past is None else past[i], vid_mask=mask)
+            if slot_of_group is not None:
+                mod = mod.index_select(1, slot_of_group)
+            out = block(txt, vid, text_plan=text_plan, video_plan=video_plan,
+                        need_text_output=i + 1 < len(self.blocks), mod=mod, rope=rope,
+                        past_kv=None if past is None else past[i])
             txt, vid = out.txt, out.vid
             if collect_kv:
                 collected.append((out.video_kv[0].detach(), out.video_kv[1].detach()))
         final = self.final_modulation(cond)
-        if slot_of_token is not None:
-            final = final.index_select(1, slot_of_token)
-        shift, scale = final.chunk(2, dim=-1)
-        return self.head(self.final_norm(vid) * (1 + scale) + shift), collected
-
-    @staticmethod
-    def _frame_slots(cond: torch.Tensor, frames: int, tokens_per_frame: int, device) -> torch.Tensor | None:
-        if cond.shape[1] == 1:
-            return None
-        return torch.arange(frames, device=device).repeat_interleave(tokens_per_frame)
+        if slot_of_group is not None:
+            final = final.index_select(1, slot_of_group)
+        shift, scale = final[:, :, None].chunk(2, dim=-1)
+        x = _by_group(vid, final.shape[1])
+        return self.head(self.final_norm(x) * (1 + scale) + shift).flatten(1, 2), collected
 
     def _chunk_frames(self) -> int:
         """Chunk size in patch-frames; raises ValueError when the model has no chunks."""
         if self.cfg.causal_chunk_size is None:
             raise ValueError("this needs a causal model: set causal_chunk_size in the model config")
         return self.cfg.causal_chunk_size // self.cfg.patch_size[0]
+
+    def _with_text(self, text: torch.Tensor, text_mask: torch.Tensor | None):
+        """(caption tokens, text plan, text lengths or None) for a forward that runs the caption."""
+        lengths = text_lengths_of(text_mask)
+        return self.text_embedder(text), self._text_plan(lengths, text.shape[1], text.device), lengths
 
     # ---- public forwards -------------------------------------------------------------------
 
@@ -447,10 +516,11 @@ class VideoDiT(nn.Module):
         """Prediction [B, C_out, T, H, W] for latents x [B, C, T, H, W].
 
         t, r: raw times, scalar, [B] or [B, T] (r only for two-time models; None = t). text:
-        [B, L, text_dim], text_mask: bool [B, L] (True = real token). causal: None follows the
-        config (block-causal when causal_chunk_size is set), False forces bidirectional.
-        Raises ValueError for mismatched shapes, r on a single-time model, or causal=True
-        without causal_chunk_size.
+        [B, L, text_dim], text_mask: bool [B, L] (True = real token, real tokens first).
+        causal: None follows the config (block-causal when causal_chunk_size is set), False
+        forces bidirectional.
+        Raises ValueError for mismatched shapes, r on a single-time model, a text_mask with a
+        real token after padding, or causal=True without causal_chunk_size.
         """
         b, frames, h, w = self._check_video(x, "x")
         self._check_text(text, text_mask, b)
@@ -459,21 +529,23 @@ class VideoDiT(nn.Module):
         tokens_per_frame = grid[1] * grid[2]
         if causal is None:
             causal = self.cfg.causal_chunk_size is not None
-        rows = None
+        layout = None
         if causal:
-            rows = _video_rows_mask("causal", grid[0], tokens_per_frame, self._chunk_frames(),
-                                    text.shape[1], self.cfg.attn_window_chunks, x.device)
+            layout = ChunkLayout("block_causal", grid[0], tokens_per_frame, self._chunk_frames(),
+                                 self.cfg.attn_window_chunks, text.shape[1])
         cond = self._conditioning(t, r, b, frames, x.device)
         vid = self._patchify(x)
-        mask = self._key_mask(rows, text_mask, text.shape[1] + vid.shape[1])
-        out, _ = self._run(vid, cond, self._frame_slots(cond, grid[0], tokens_per_frame, x.device),
-                           grid_positions(*grid, 0, x.device), mask, text=self._embed_text(text, text_mask))
+        txt, text_plan, lengths = self._with_text(text, text_mask)
+        n, length = vid.shape[1], text.shape[1]
+        plan = self._video_plan(n, n + length, length, lengths, x.device, layout)
+        out, _ = self._run(vid, cond, None, grid_positions(*grid, 0, x.device), plan,
+                           text=(txt, text_plan))
         return self._unpatchify(out, frames, h, w)
 
     def forward_teacher_forcing(self, noisy: torch.Tensor, clean: torch.Tensor, t: Any, text: torch.Tensor,
                                 text_mask: torch.Tensor | None = None, r: Any = None,
                                 return_clean: bool = False):
-        """Teacher-forcing forward over [text | clean | noisy] (ALGORITHMS.md §5).
+        """Teacher-forcing forward over [clean | noisy] video and the caption (ALGORITHMS.md §5).
 
         Noisy chunk i sees its own noisy chunk and clean chunks before i (within the window);
         the clean half runs at t = 0 (and r = 0) with the same RoPE positions as the noisy half.
@@ -488,22 +560,24 @@ class VideoDiT(nn.Module):
         pt, ph, pw = self.cfg.patch_size
         grid = (frames // pt, h // ph, w // pw)
         tokens_per_frame = grid[1] * grid[2]
-        n_video = grid[0] * tokens_per_frame
         cond_noisy = self._conditioning(t, r, b, frames, noisy.device)
         zero = torch.zeros(b, 1, device=noisy.device)
         cond_clean = self._embed_time(zero, None if self.r_embedder is None else zero)
         cond = torch.cat([cond_clean, cond_noisy], dim=1)
-        noisy_slots = self._frame_slots(cond_noisy, grid[0], tokens_per_frame, noisy.device)
-        if noisy_slots is None:
-            noisy_slots = torch.zeros(n_video, dtype=torch.long, device=noisy.device)
-        slots = torch.cat([torch.zeros_like(noisy_slots), 1 + noisy_slots])
+        slots = None  # per-sample noisy time: two runs, clean (slot 0) and noisy (slot 1)
+        if cond_noisy.shape[1] > 1:  # per frame: every clean frame slot 0, noisy frame f slot 1 + f
+            slots = torch.cat([torch.zeros(grid[0], dtype=torch.long),
+                               torch.arange(1, grid[0] + 1)]).to(noisy.device)
         positions = grid_positions(*grid, 0, noisy.device)
         vid = torch.cat([self._patchify(clean), self._patchify(noisy)], dim=1)
-        rows = _video_rows_mask("tf", grid[0], tokens_per_frame, chunk, text.shape[1],
-                                self.cfg.attn_window_chunks, noisy.device)
-        mask = self._key_mask(rows, text_mask, text.shape[1] + 2 * n_video)
-        out, _ = self._run(vid, cond, slots, torch.cat([positions, positions]), mask,
-                           text=self._embed_text(text, text_mask))
+        layout = ChunkLayout("teacher_forcing", grid[0], tokens_per_frame, chunk,
+                             self.cfg.attn_window_chunks, text.shape[1])
+        txt, text_plan, lengths = self._with_text(text, text_mask)
+        n, length = vid.shape[1], text.shape[1]
+        plan = self._video_plan(n, n + length, length, lengths, noisy.device, layout)
+        out, _ = self._run(vid, cond, slots, torch.cat([positions, positions]), plan,
+                           text=(txt, text_plan))
+        n_video = n // 2
         noisy_pred = self._unpatchify(out[:, n_video:], frames, h, w)
         if return_clean:
             return noisy_pred, self._unpatchify(out[:, :n_video], frames, h, w)
@@ -517,13 +591,13 @@ class VideoDiT(nn.Module):
         """
         self._chunk_frames()
         self._check_text(text, text_mask, text.shape[0])
-        txt, txt_mask = self._embed_text(text, text_mask)
+        txt, text_plan, lengths = self._with_text(text, text_mask)
         text_kv = []
         for i, block in enumerate(self.blocks):
-            out = block(txt, None, txt_mask=txt_mask, need_text_output=i + 1 < len(self.blocks))
+            out = block(txt, None, text_plan=text_plan, need_text_output=i + 1 < len(self.blocks))
             txt = out.txt
             text_kv.append(out.text_kv)
-        return KVCache(text_kv=text_kv, text_mask=text_mask, chunks=[])
+        return KVCache(text_kv=text_kv, text_lengths=lengths, chunks=[])
 
     def _check_chunk(self, x: torch.Tensor, cache: KVCache, frame_start: int, name: str):
         chunk_latent = self.cfg.causal_chunk_size
@@ -546,21 +620,20 @@ class VideoDiT(nn.Module):
         b, frames, h, w = self._check_chunk(x, cache, frame_start, "x_chunk")
         pt, ph, pw = self.cfg.patch_size
         grid = (frames // pt, h // ph, w // pw)
-        tokens_per_frame = grid[1] * grid[2]
         cond = self._conditioning(t, r, b, frames, x.device)
         prefix = [cache.prefix(i) for i in range(len(self.blocks))]
         vid = self._patchify(x)
-        mask = self._key_mask(None, cache.text_mask, prefix[0][0].shape[2] + vid.shape[1])
+        n, length = vid.shape[1], cache.text_kv[0][0].shape[1]
+        plan = self._video_plan(n, n + prefix[0][0].shape[1], length, cache.text_lengths, x.device)
         positions = grid_positions(*grid, frame_start // pt, x.device)
-        out, kv = self._run(vid, cond, self._frame_slots(cond, grid[0], tokens_per_frame, x.device),
-                            positions, mask, past=prefix, collect_kv=collect_kv)
+        out, kv = self._run(vid, cond, None, positions, plan, past=prefix, collect_kv=collect_kv)
         return self._unpatchify(out, frames, h, w), kv
 
     def forward_chunk(self, x_chunk: torch.Tensor, t_chunk: Any, cache: KVCache, frame_start: int,
                       r_chunk: Any = None) -> torch.Tensor:
         """Prediction [B, C_out, Tc, H, W] for the next chunk, reading (never changing) the cache.
 
-        The chunk attends to the caption, the committed chunks in the window, and itself, with
+        The chunk attends to itself, the committed chunks in the window and the caption, with
         RoPE at absolute frame frame_start. t_chunk, r_chunk: scalar, [B] or [B, Tc].
         Raises ValueError unless frame_start is where the cache's next chunk starts and the
         chunk is at most causal_chunk_size frames.

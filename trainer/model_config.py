@@ -16,10 +16,10 @@ __all__ = ["ATTENTION_BACKENDS", "DiTConfig", "MODEL_CONFIG_DEFAULTS", "NUM_TRAI
 # The model sees raw timesteps N * sigma in [0, N] (ALGORITHMS.md §1.1).
 NUM_TRAIN_TIMESTEPS = 1000
 
-# Every attention backend name trainer.attention accepts -> whether it takes the block-causal and
-# teacher-forcing masks of causal models. Kept here, torch-free, so a config is checked on the
-# login node; tests/test_attention.py checks that it matches the registry in trainer.attention.
-ATTENTION_BACKENDS: dict[str, bool] = {"sdpa": True, "flash_attn": False, "fa4": False}
+# Every `attention_backend` value (trainer.attention routes each form of attention to a kernel
+# that computes it: auto = the fastest one that runs here). Kept torch-free so the login node
+# checks a config; trainer.attention uses this tuple.
+ATTENTION_BACKENDS = ("auto", "sdpa", "fa4", "flash_attn")
 
 
 @dataclass
@@ -41,7 +41,7 @@ class DiTConfig:
     attn_window_chunks: int | None = None  # earlier chunks a chunk may see; None = all
     two_time: bool = False
     time_gate: float = 0.25
-    attention_backend: str = "sdpa"
+    attention_backend: str = "auto"  # see trainer/attention.py; auto = fastest that runs here
     zero_init_modulation: bool = True
 
     def __post_init__(self) -> None:
@@ -86,13 +86,7 @@ class DiTConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend {self.attention_backend!r} is unknown; known: "
-                f"{', '.join(sorted(ATTENTION_BACKENDS))}"
-            )
-        if self.causal_chunk_size is not None and not ATTENTION_BACKENDS[self.attention_backend]:
-            raise ValueError(
-                f"attention_backend {self.attention_backend!r} supports only unmasked attention, but a "
-                "causal model (causal_chunk_size set) needs block-causal and teacher-forcing masks; "
-                "use attention_backend='sdpa'"
+                f"{', '.join(ATTENTION_BACKENDS)}"
             )
 
     @property

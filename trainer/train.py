@@ -28,6 +28,7 @@ from trainer import checkpoint as ckpt
 from trainer import run_state
 from trainer.args import resolve_args
 from trainer.build import build_stage
+from trainer.cuda_memory import configure_cuda_allocator
 from trainer.distributed import (Topology, any_rank, barrier, destroy, init_distributed,
                                  world_size_from_env)
 from trainer.environment import probe_environment
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: ResolvedArgs) -> int:
     """Train one stage to max_steps (or until preempted). Returns the process exit code."""
+    configure_cuda_allocator()  # before init_distributed puts anything on a GPU
     topo = init_distributed(args.cp_size, args.dist_backend)
     out = Path(args.output_dir)
     result = {"status": "failed", "step": 0, "last_checkpoint": None, "error": None}

@@ -12,11 +12,15 @@ mapping by role.
 from __future__ import annotations
 
 import abc
+import functools
+import logging
 import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+log = logging.getLogger("relay")
 
 
 class NonFiniteError(RuntimeError):
@@ -110,6 +114,15 @@ def learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:
 
 def autocast_context(device: torch.device, dtype: str):
     """bf16 autocast on GPU (auto or bfloat16), nothing on CPU unless bfloat16 is asked for."""
-    if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
+    bf16 = dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda")
+    _log_compute_dtype(dtype, device.type, bf16)
+    if bf16:
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return torch.autocast(device_type=device.type, enabled=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_compute_dtype(dtype: str, device_type: str, bf16: bool) -> None:
+    # once per setting: what `dtype: auto` became is otherwise invisible in the logs
+    log.info("compute dtype: %s on %s -> %s", dtype, device_type,
+             "bf16 autocast (weights and optimizer in float32)" if bf16 else "no autocast")

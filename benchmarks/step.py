@@ -1,0 +1,455 @@
+"""One training step on one GPU: relay's own train_step against diffusers' Wan at the same size.
+
+    python benchmarks/step.py --json step.json [--size wan-1.3b] [--runs relay:compiled:off,...]
+                              [--steps 5] [--warmup 2] [--profile relay:compiled:off,...]
+                              [--profile-dir DIR] [--attention auto]
+
+In one process, on one GPU, with the same batch, tokens, dtype and optimizer:
+
+1. the matrix-product ceiling: an 8192^3 bf16 product on random data (median of 20);
+2. the attention kernels at the size's video attention shape, forward + backward: cuDNN SDPA
+   and every kernel relay can route to here (FA4, flex);
+3. each run `model:mode:checkpointing` (model relay or wan, mode eager or compiled,
+   checkpointing on or off): `warmup` steps, then `steps` timed steps (wall clock between
+   device synchronisations; median, min, max), the peak allocated and reserved memory, tokens/s
+   and MFU from counted FLOPs (benchmarks/flops.py) over the measured ceiling and over 989
+   TFLOP/s (the H100/H200 dense bf16 datasheet figure).
+
+relay's step is `FlowMatchingStage.train_step` on a model built by the same functions as
+training (`prepare_for_training`, `build_optimization`), from train.py's own argument parser:
+the loss, gradient clipping, fused AdamW, the LR schedule. Wan's step does the same work with
+diffusers' `WanTransformer3DModel` (random weights, no download): bf16 autocast over float32
+weights, flow-matching loss, clipping, fused AdamW with the same settings, `compile` of its
+repeated blocks, `enable_gradient_checkpointing`. Caption dropout is off in both (a dropped
+caption is padding only relay would see). --profile runs one more step of the named runs
+under torch.profiler and writes its top kernels.
+
+Sizes: wan-1.3b (Wan2.1-T2V-1.3B: hidden 1536, 30 layers, 21 x 60 x 104 latents = 32,760
+video tokens, 512 caption tokens), h3072-16k and h5120-8k (8 layers, to fit one GPU with
+AdamW), tiny (for a CPU smoke run). Results go to --json as they come, so a run that dies
+keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib.metadata
+import json
+import math
+import platform
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer.cuda_memory import configure_cuda_allocator  # noqa: E402  (before torch touches CUDA)
+
+configure_cuda_allocator()
+
+import torch  # noqa: E402
+
+from benchmarks.flops import relay_forward_flops, train_flops, wan_forward_flops  # noqa: E402
+
+DATASHEET_TFLOPS = 989.0
+SIZES = {
+    # hidden, heads, layers, ffn, latent (C, T, H, W), caption tokens, caption width
+    "wan-1.3b": dict(hidden=1536, heads=12, layers=30, ffn=8960, latent=(16, 21, 60, 104), text=512,
+                     text_dim=4096),
+    "h3072-16k": dict(hidden=3072, heads=24, layers=8, ffn=14336, latent=(16, 21, 30, 104), text=512,
+                      text_dim=4096),
+    "h5120-8k": dict(hidden=5120, heads=40, layers=8, ffn=13824, latent=(16, 21, 30, 52), text=512,
+                     text_dim=4096),
+    "tiny": dict(hidden=64, heads=2, layers=2, ffn=160, latent=(4, 3, 8, 8), text=8, text_dim=32),
+}
+PATCH = (1, 2, 2)
+ATTENTION_KERNELS = re.compile(r"flash|fmha|attn|attention|sdpa|cudnn.*(sdpa|mha)", re.IGNORECASE)
+
+
+# --------------------------------------------------------------------------------------------
+# shapes and the two models
+
+
+def video_tokens(size: dict) -> int:
+    _, t, h, w = size["latent"]
+    return (t // PATCH[0]) * (h // PATCH[1]) * (w // PATCH[2])
+
+
+def rope_axes(head_dim: int) -> list[int]:
+    """Wan's split of the head between (frame, row, col): 44/42/42 of 128, pairs kept whole."""
+    hw = 2 * (head_dim // 6)
+    return [head_dim - 2 * hw, hw, hw]
+
+
+def relay_overrides(size: dict, attention: str) -> dict:
+    head_dim = size["hidden"] // size["heads"]
+    return dict(in_channels=size["latent"][0], hidden_size=size["hidden"],
+                num_attention_heads=size["heads"], num_layers=size["layers"],
+                mlp_ratio=size["ffn"] / size["hidden"], patch_size=list(PATCH),
+                rope_axes_dim=rope_axes(head_dim), text_dim=size["text_dim"], qk_norm=True,
+                attention_backend=attention)
+
+
+def wan_config(size: dict) -> dict:
+    return dict(patch_size=PATCH, num_attention_heads=size["heads"],
+                attention_head_dim=size["hidden"] // size["heads"], in_channels=size["latent"][0],
+                out_channels=size["latent"][0], text_dim=size["text_dim"], freq_dim=256,
+                ffn_dim=size["ffn"], num_layers=size["layers"], cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", eps=1e-6)
+
+
+class FixedBatches:
+    """The data side of a step: the same host batch every step, copied to the GPU by the step."""
+
+    def __init__(self, size: dict, pin: bool, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        latents = torch.randn(1, *size["latent"], generator=g)
+        text = torch.randn(1, size["text"], size["text_dim"], generator=g)
+        self.batch = {"latents": latents.pin_memory() if pin else latents,
+                      "text": text.pin_memory() if pin else text,
+                      "text_mask": torch.ones(1, size["text"], dtype=torch.bool)}
+
+    def next_batch(self) -> dict:
+        return dict(self.batch)
+
+
+def relay_args(size: dict, mode: str, checkpointing: bool, attention: str, workdir: str):
+    """train.py's arguments for this run, through train.py's own parser."""
+    from trainer.args import resolve_args
+
+    argv = ["--config", str(Path(__file__).resolve().parents[1] / "config/tiny/pretrain.yaml"),
+            "--transformer_config_overrides", json.dumps(relay_overrides(size, attention)),
+            "--train_batch_size", "1", "--use_muon", "false", "--learning_rate", "1e-4",
+            "--warmup_steps", "10", "--lr_scheduler_type", "constant", "--max_grad_norm", "1.0",
+            "--cfg_drop_prob", "0", "--image_cond_prob", "0", "--video_cond_prob", "0",
+            "--text_max_tokens", str(size["text"]), "--dtype", "auto",
+            "--compile_transformer", str(mode == "compiled").lower(),
+            "--enable_gradient_checkpointing", str(checkpointing).lower(),
+            "--output_dir", workdir, "--data_path", workdir]
+    args, _ = resolve_args(argv)
+    return args
+
+
+def build_relay(size: dict, mode: str, checkpointing: bool, attention: str, device, workdir: str):
+    """(step function, parameter count, model config) of relay's FlowMatchingStage."""
+    from trainer.args import model_config
+    from trainer.model import VideoDiT
+    from trainer.stages import build_text_encoder, prepare_for_training
+    from trainer.stages.fm import FlowMatchingStage, build_optimization
+
+    args = relay_args(size, mode, checkpointing, attention, workdir)
+    with torch.device(device):  # initialised on the GPU: 1.5 B parameters are slow on the host
+        model = VideoDiT(**model_config(args))
+    model = prepare_for_training(model, args)
+    optimizer, scheduler, ema = build_optimization(args, model)
+    stage = FlowMatchingStage(model, model, optimizer, scheduler, ema,
+                              FixedBatches(size, pin=device.type == "cuda"), args,
+                              build_text_encoder(args), device)
+    params = sum(p.numel() for p in model.parameters())
+    return (lambda step: stage.train_step(step)["loss"]), params, model.config
+
+
+def build_wan(size: dict, mode: str, checkpointing: bool, device):
+    """(step function, parameter count, config) of the same training step on diffusers' Wan."""
+    from diffusers import WanTransformer3DModel
+
+    from trainer.optim import build_lr_scheduler
+
+    import torch._inductor.config as inductor_config
+
+    # ARCHITECTURE.md, known pitfalls: wrong adaLN-table gradients in compiled Wan blocks on
+    # torch 2.11 without this (relay's compile_transformer_blocks sets it too).
+    if hasattr(inductor_config.triton, "mix_order_reduction"):
+        inductor_config.triton.mix_order_reduction = False
+    with torch.device(device):
+        model = WanTransformer3DModel(**wan_config(size))
+    model.train()
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    if mode == "compiled":
+        model.compile_repeated_blocks()
+    params = list(model.parameters())
+    # relay's defaults (adam_beta1/2, eps, weight decay) through the same constructor arguments
+    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
+                                  fused=device.type == "cuda" or None)
+    scheduler = build_lr_scheduler(optimizer, lr_scheduler_type="constant", warmup_steps=10,
+                                   max_steps=1000, lr_decay_steps=None, lr_decay_floor_ratio=0.0)
+    data = FixedBatches(size, pin=device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def step(_: int) -> float:
+        batch = {k: v.to(device, non_blocking=True) for k, v in data.next_batch().items()}
+        x0 = batch["latents"]
+        noise = torch.randn_like(x0)
+        sigma = torch.rand(x0.shape[0], device=device)
+        x_t = x0 + sigma.view(-1, 1, 1, 1, 1) * (noise - x0)
+        with autocast:
+            pred = model(x_t, timestep=sigma * 1000, encoder_hidden_states=batch["text"],
+                         return_dict=False)[0]
+        loss = torch.nn.functional.mse_loss(pred.float(), (noise - x0).float())
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        float(norm)  # relay's step reads the norm and the loss on the host, so does this one
+        return float(loss.detach())
+
+    return step, sum(p.numel() for p in params), dict(model.config)
+
+
+# --------------------------------------------------------------------------------------------
+# measurements
+
+
+def synchronize(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_ceiling(device, n: int, repeats: int = 20) -> dict:
+    """TFLOP/s of an n^3 product on random data (bf16 on a GPU, float32 on a CPU)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+    times = []
+    for i in range(repeats + 3):
+        synchronize(device)
+        start = time.perf_counter()
+        a @ b
+        synchronize(device)
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    return {"n": n, "dtype": str(dtype), "median_s": median, "tflops": 2 * n ** 3 / median / 1e12}
+
+
+def time_attention(device, size: dict, attention: str, repeats: int = 10) -> list[dict]:
+    """Forward + backward of the video attention (N queries over N + L keys) by kernel."""
+    from trainer import attention as attn
+
+    n, length = video_tokens(size), size["text"]
+    heads, head_dim = size["heads"], size["hidden"] // size["heads"]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, n, heads, head_dim, device=device, dtype=dtype, generator=g)
+    k, v = (torch.randn(1, n + length, heads, head_dim, device=device, dtype=dtype, generator=g)
+            for _ in range(2))
+    grad = torch.randn_like(q)
+    flops = 3 * 4 * n * (n + length) * heads * head_dim
+    results, reference = [], None
+    kernels = ["sdpa"] + [k for k in ("fa4", "flash_attn", "flex")
+                          if attn._runs_here(k, device, dtype, head_dim)]
+    for kernel in kernels:
+        plan = attn.AttentionPlan(kernel, None, None)
+        if kernel == "flex":
+            plan = attn.AttentionPlan("flex", None, attn._flex_block_mask(
+                None, torch.full((1,), n + length, device=device), n, n + length, device))
+        try:
+            inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+            times, first = [], None
+            for i in range(repeats + 2):
+                synchronize(device)
+                start = time.perf_counter()
+                out = attn.attend(plan, *inputs)
+                out.backward(grad)
+                synchronize(device)
+                (times if i >= 2 else []).append(time.perf_counter() - start)
+                first = first if first is not None else time.perf_counter() - start
+            if reference is None:
+                reference = out.detach().float()
+            median = statistics.median(times)
+            results.append({"kernel": kernel, "median_s": median, "first_call_s": first,
+                            "tflops": flops / median / 1e12,
+                            "max_abs_diff_vs_sdpa": float((out.detach().float() - reference).abs().max())})
+        except Exception as exc:  # one kernel failing must not cost the rest of the run
+            results.append({"kernel": kernel, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+    return results
+
+
+def free_memory(device) -> None:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def memory_gib(device) -> dict:
+    if device.type != "cuda":
+        return {}
+    return {"peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2 ** 30}
+
+
+def profile_step(step, index: int, device, top: int = 30) -> dict:
+    """One step under torch.profiler: its wall time, kernel time, top kernels, attention share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step(index)
+        synchronize(device)
+    wall = time.perf_counter() - start
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = kernels.setdefault(event.name, [0.0, 0])
+            entry[0] += event.device_time_total / 1e6 if hasattr(event, "device_time_total") \
+                else event.cuda_time_total / 1e6
+            entry[1] += 1
+    total = sum(t for t, _ in kernels.values())
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
+    attention = sum(t for name, (t, _) in kernels.items() if ATTENTION_KERNELS.search(name))
+    return {"wall_s": wall, "kernel_s": total, "attention_kernel_s": attention,
+            "attention_share": attention / total if total else None,
+            "top_kernels": [{"name": name[:200], "s": t, "calls": calls, "share": t / total}
+                            for name, (t, calls) in ranked[:top]]}
+
+
+def run_one(spec: str, size_name: str, args, device, ceiling_tflops: float | None) -> dict:
+    """Build, warm up, time (and maybe profile) one `model:mode:checkpointing` run."""
+    model_name, mode, ckpt = spec.split(":")
+    size = SIZES[size_name]
+    checkpointing = ckpt == "on"
+    result = {"run": spec, "size": size_name, "model": model_name, "mode": mode,
+              "checkpointing": checkpointing, "video_tokens": video_tokens(size),
+              "text_tokens": size["text"]}
+    free_memory(device)
+    build_start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as workdir:
+        try:
+            if model_name == "relay":
+                step, params, config = build_relay(size, mode, checkpointing, args.attention, device,
+                                                   workdir)
+                forward = relay_forward_flops(config, video_tokens(size), size["text"])
+            else:
+                step, params, config = build_wan(size, mode, checkpointing, device)
+                forward = wan_forward_flops(config, video_tokens(size), size["text"])
+            result.update(parameters=params, train_flops=train_flops(forward),
+                          build_s=time.perf_counter() - build_start)
+            first = time.perf_counter()
+            times, losses = [], []
+            for i in range(args.warmup + args.steps):
+                synchronize(device)
+                start = time.perf_counter()
+                losses.append(step(i))
+                synchronize(device)
+                if i == 0:
+                    result["first_step_s"] = time.perf_counter() - first
+                if i >= args.warmup:
+                    times.append(time.perf_counter() - start)
+            median = statistics.median(times)
+            result.update(step_s=median, step_min_s=min(times), step_max_s=max(times),
+                          step_times_s=times, losses=losses,
+                          video_tokens_per_s=video_tokens(size) / median,
+                          tokens_per_s=(video_tokens(size) + size["text"]) / median,
+                          achieved_tflops=result["train_flops"] / median / 1e12,
+                          **memory_gib(device))
+            result["mfu_datasheet"] = result["achieved_tflops"] / DATASHEET_TFLOPS
+            if ceiling_tflops:
+                result["mfu_measured_ceiling"] = result["achieved_tflops"] / ceiling_tflops
+            if spec in args.profile:
+                result["profile"] = profile_step(step, args.warmup + args.steps, device)
+        except torch.OutOfMemoryError as exc:
+            result.update(error="out of memory", detail=str(exc)[:1500], **memory_gib(device))
+        except Exception as exc:  # record and go on: one broken run must not lose the others
+            import traceback
+
+            result.update(error=f"{type(exc).__name__}: {exc}"[:2000],
+                          traceback=traceback.format_exc()[-4000:], **memory_gib(device))
+        finally:
+            step = None
+    free_memory(device)
+    return result
+
+
+def versions(device) -> dict:
+    found = {"python": platform.python_version(), "torch": torch.__version__,
+             "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()}
+    for dist in ("flash-attn-4", "flash-attn", "quack-kernels", "nvidia-cutlass-dsl", "diffusers",
+                 "triton"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            found[dist] = importlib.metadata.version(dist)
+    if device.type == "cuda":
+        found["gpu"] = torch.cuda.get_device_name(device)
+        found["gpu_capability"] = list(torch.cuda.get_device_capability(device))
+    return found
+
+
+def print_table(results: list[dict]) -> None:
+    print(f"{'run':<26} {'step s':>8} {'min..max':>13} {'peak GiB':>9} {'MFU(989)':>9} {'MFU(meas)':>9}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['run']:<26} {r['error'][:60]}")
+            continue
+        print(f"{r['run']:<26} {r['step_s']:8.3f} {r['step_min_s']:6.3f}..{r['step_max_s']:.3f} "
+              f"{r.get('peak_allocated_gib', float('nan')):9.1f} {r['mfu_datasheet']:9.1%} "
+              f"{r.get('mfu_measured_ceiling', float('nan')):9.1%}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", default="wan-1.3b", choices=sorted(SIZES))
+    parser.add_argument("--runs", default="relay:compiled:off,wan:compiled:off",
+                        help="comma-separated model:mode:checkpointing (relay|wan, eager|compiled, on|off)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--attention", default="auto", help="relay's attention_backend")
+    parser.add_argument("--profile", default="", help="runs to profile one extra step of")
+    parser.add_argument("--matmul-size", type=int, default=8192)
+    parser.add_argument("--skip-kernels", action="store_true", help="no attention kernel timing")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", type=Path, required=True)
+    args = parser.parse_args(argv)
+    args.profile = [p for p in args.profile.split(",") if p]
+    runs = [r for r in args.runs.split(",") if r]
+    for spec in runs + args.profile:
+        parts = spec.split(":")
+        if (len(parts) != 3 or parts[0] not in ("relay", "wan") or parts[1] not in ("eager", "compiled")
+                or parts[2] not in ("on", "off")):
+            parser.error(f"run {spec!r} is not model:mode:checkpointing "
+                         "(relay|wan : eager|compiled : on|off)")
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    device = torch.device(args.device)
+    report = {"command": " ".join(["python", "benchmarks/step.py", *(argv or sys.argv[1:])]),
+              "size": {"name": args.size, **SIZES[args.size]}, "versions": versions(device),
+              "allocator": __import__("os").environ.get("PYTORCH_CUDA_ALLOC_CONF"), "runs": []}
+
+    def save() -> None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1, default=str))
+
+    report["matmul"] = matmul_ceiling(device, args.matmul_size)
+    print(f"matmul {args.matmul_size}^3: {report['matmul']['tflops']:.0f} TFLOP/s", flush=True)
+    save()
+    if not args.skip_kernels:
+        report["attention_kernels"] = time_attention(device, SIZES[args.size], args.attention)
+        for row in report["attention_kernels"]:
+            print("attention", json.dumps(row), flush=True)
+        save()
+    for spec in runs:
+        result = run_one(spec, args.size, args, device, report["matmul"]["tflops"])
+        report["runs"].append(result)
+        print(json.dumps({k: v for k, v in result.items() if k not in ("profile", "traceback")}),
+              flush=True)
+        save()
+    print_table(report["runs"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+"""GPU tests: skipped where torch sees no CUDA device; marked `gpu` (pyproject.toml)."""
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(pytest.mark.gpu)
+            if not torch.cuda.is_available():
+                item.add_marker(skip)
