@@ -145,7 +145,7 @@ def test_resume_mid_epoch_yields_the_identical_next_batches(shapes_dir):
     for _ in range(2):  # mid-epoch: 3 batches per epoch
         original.next_batch()
     state = json.loads(json.dumps(original.state_dict()))  # as saved to dataloader/<rank>.json
-    assert state["epoch"] == 0 and state["position"] == 2 and state["dp_world"] == 2
+    assert state["cursor"]["streams"]["all"] == {"epoch": 0, "position": 8} and state["dp_world"] == 2
     resumed = DistributedBatchIterator(dataset, batch_size=4, dp_rank=1, dp_world=2, seed=99)
     resumed.load_state_dict(state)
     for _ in range(5):  # crosses into the next epochs
