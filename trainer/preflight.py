@@ -74,6 +74,7 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
                "`synthetic_data: true` needs `data_path` to be one directory, not a mapping.")
         for directory, repeat in args.data_path.items():
             _check(repeat >= 1, f"data_path: repeat count of {directory} must be >= 1, got {repeat}.")
+    _validate_data_keys(args)
     if check_paths:
         _validate_paths(args)
     _validate_model_overrides(args)
@@ -88,6 +89,41 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
     if args.cp_size > 1 or args.hybrid_shard:
         warnings.warn("cp_size > 1 and hybrid_shard are validated but not implemented yet: the "
                       "run will refuse to start. Use cp_size: 1 and hybrid_shard: false.")
+
+
+CONDITIONING_TASKS = ("t2v", "i2v", "continuation")
+
+
+def _validate_data_keys(args: ResolvedArgs) -> None:
+    _check(args.packed_dataloader_num_workers >= 0,
+           f"`packed_dataloader_num_workers` must be >= 0 (0 reads in the training process), "
+           f"got {args.packed_dataloader_num_workers}.")
+    _check(args.packed_dataloader_prefetch_factor >= 1,
+           f"`packed_dataloader_prefetch_factor` must be >= 1, got "
+           f"{args.packed_dataloader_prefetch_factor}.")
+    _check(args.text_encoder_hidden_state_skip_layer >= 0,
+           "`text_encoder_hidden_state_skip_layer` must be >= 0 (0 takes the last layer).")
+    if args.packing_token_budget is not None:
+        _check(args.packing_token_budget >= 1,
+               f"`packing_token_budget` must be >= 1 or null, got {args.packing_token_budget}.")
+    if args.image_sample_prob is not None:
+        _check(0.0 <= args.image_sample_prob <= 1.0,
+               f"`image_sample_prob` must lie in [0, 1] or be null, got {args.image_sample_prob}.")
+    unknown = [t for t in args.conditioning_schema if t not in CONDITIONING_TASKS]
+    _check(not unknown, f"conditioning_schema: unknown task(s) {', '.join(unknown)}. Valid: "
+                        f"{', '.join(CONDITIONING_TASKS)}.")
+    for prob, task in (("image_cond_prob", "i2v"), ("video_cond_prob", "continuation")):
+        _check(args[prob] == 0 or task in args.conditioning_schema,
+               f"`{prob}` is {args[prob]} but conditioning_schema ({args.conditioning_schema}) "
+               f"does not list {task}: the data does not support that task. Set {prob}: 0, or "
+               f"add {task} to conditioning_schema if the data supports it.")
+    if not args.resume_video_csv:
+        if not args.resume_data_state:
+            warnings.warn("`resume_video_csv: false` has no effect with `resume_data_state: "
+                          "false`: every data stream restarts anyway.")
+        elif args.image_sample_prob is None:
+            warnings.warn("`resume_video_csv: false` has no effect without `image_sample_prob`: "
+                          "images and videos are one stream, whose cursor is resumed.")
 
 
 def _validate_paths(args: ResolvedArgs) -> None:
