@@ -183,3 +183,16 @@ def test_bad_rows_are_listed_and_left_out(tmp_path):
     index = SampleIndex(str(tmp_path))
     assert len(index) == 5 and [b.row for b in index.bad_rows] == [2]
     assert "[C, T, H, W]" in index.bad_rows[0].reason
+
+
+def test_starting_or_restarting_the_loader_leaves_the_training_rng_alone(fastvideo_dir):
+    dataset = ParquetLatentDataset(str(fastvideo_dir), pad_text=False)
+    iterator = DistributedBatchIterator(dataset, batch_size=1, dp_rank=0, dp_world=1, seed=0,
+                                        token_budget=80, patch_size=PATCH, num_workers=2)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    iterator.next_batch()
+    iterator.load_state_dict(iterator.state_dict())  # a resume starts a new loader iterator
+    iterator.next_batch()
+    assert torch.equal(torch.rand(3), expected)

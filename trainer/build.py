@@ -124,11 +124,13 @@ def build_stage(args: ResolvedArgs, topo: Topology):
 
 def _fm_stage(args: ResolvedArgs, topo: Topology):
     """Pretrain / SFT: one transformer, its optimizer, schedule and EMA."""
-    from trainer.stages.fm import FlowMatchingStage
+    from trainer.stages.fm import FlowMatchingStage, PackedForward
 
     model = prepare_for_training(build_model(args, topo.device), args)
     optimizer, scheduler = _optimization(args, model, max_steps=args.max_steps)
-    return FlowMatchingStage(model, wrap_for_training(model, topo), optimizer, scheduler,
+    # Packs run through forward_packed; the wrapper makes it the forward that DDP hooks.
+    runs = PackedForward(model) if args.packing_token_budget is not None else model
+    return FlowMatchingStage(model, wrap_for_training(runs, topo), optimizer, scheduler,
                              _ema(args, model), build_data(args, topo), args,
                              build_text_encoder(args), topo.device, dp_rank=topo.dp_rank,
                              dp_world=topo.dp_world)

@@ -118,7 +118,10 @@ class DistributedBatchIterator:
         loader = DataLoader(self.dataset, batch_sampler=_PlannedBatches(self.plan, self.cursor),
                             num_workers=workers, collate_fn=collate_pack if self.token_budget else collate_batch,
                             prefetch_factor=self.prefetch_factor if workers else None,
-                            pin_memory=self.pin_memory)
+                            pin_memory=self.pin_memory,
+                            # Its own generator: DataLoader draws worker seeds when an iterator
+                            # starts, and must not move the training RNG (a resume starts one).
+                            generator=torch.Generator().manual_seed(self.seed))
         return iter(loader)
 
     def next_batch(self) -> dict:
