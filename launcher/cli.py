@@ -333,8 +333,10 @@ def _add_data_verbs(sub) -> None:
     p.add_argument("--text-encoder", dest="text_encoder", required=True,
                    help="a transformers text encoder directory (with its tokenizer)")
     p.add_argument("--out", required=True, help="output dataset directory")
-    p.add_argument("--rank", type=int, default=0, help="this process's share of the manifest")
-    p.add_argument("--world-size", type=int, default=1, help="processes sharing the manifest")
+    p.add_argument("--rank", type=int, default=None,
+                   help="this process's share of the manifest (default: RANK or SLURM_PROCID, else 0)")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="processes sharing the manifest (default: WORLD_SIZE or SLURM_NTASKS, else 1)")
     p.add_argument("--skip-layer", type=int, default=0,
                    help="text_encoder_hidden_state_skip_layer: final layers to drop")
     p.add_argument("--rows-per-shard", type=int, default=64)

@@ -61,7 +61,8 @@ def build_text_encoder(args: ResolvedArgs):
     from trainer.text_encoder import build_text_encoder as build
 
     return build(args.text_encoder, text_dim=model_config(args)["text_dim"],
-                 max_tokens=args.text_max_tokens)
+                 max_tokens=args.text_max_tokens,
+                 skip_layer=args.text_encoder_hidden_state_skip_layer)
 
 
 def build_data(args: ResolvedArgs, topo: Topology, seed_offset: int = 0):

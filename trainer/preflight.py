@@ -8,6 +8,7 @@ trainer.stage_checks and are called from here only.
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -132,7 +133,31 @@ def _validate_data_keys(args: ResolvedArgs) -> None:
                           "images and videos are one stream, whose cursor is resumed.")
 
 
+def _validate_text_encoder(args: ResolvedArgs) -> None:
+    """'standin', or a transformers encoder directory whose width is the model's text_dim."""
+    if args.text_encoder == "standin":
+        return
+    config = Path(args.text_encoder) / "config.json"
+    _check(config.is_file(),
+           f"`text_encoder` is {args.text_encoder!r}: neither 'standin' nor a directory holding a "
+           f"transformers encoder (config.json). Point it at the encoder's local directory.")
+    try:
+        settings = json.loads(config.read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"`text_encoder`: {config} is not readable JSON ({error}).") from None
+    width = settings.get("hidden_size", settings.get("d_model"))
+    text_dim = model_config(args)["text_dim"]
+    _check(width == text_dim,
+           f"`text_encoder` {args.text_encoder} gives {width}-wide embeddings but the model's "
+           f"text_dim is {text_dim}. Set text_dim: {width} in transformer_config_overrides.")
+    layers = settings.get("num_hidden_layers", settings.get("num_layers"))
+    _check(layers is None or args.text_encoder_hidden_state_skip_layer < layers,
+           f"`text_encoder_hidden_state_skip_layer` ({args.text_encoder_hidden_state_skip_layer}) "
+           f"must be below the encoder's {layers} layers.")
+
+
 def _validate_paths(args: ResolvedArgs) -> None:
+    _validate_text_encoder(args)
     if args.data_path is not None and not args.synthetic_data:
         dirs = [args.data_path] if isinstance(args.data_path, str) else list(args.data_path)
         for directory in dirs:

@@ -69,8 +69,9 @@ SECTIONS: dict[str, list[Arg]] = {
             "fnmatch patterns of source keys the model may drop (e.g. 'r_embedder.*' when the "
             "Stage2 student loads Stage1 weights). Anything else unexpected is an error."),
         Arg("text_encoder", "str", "standin",
-            "Text encoder used for sampling prompts. 'standin': the deterministic seeded token "
-            "table of the embedded data.", choices=("standin",)),
+            "Text encoder for validation and sampling prompts: 'standin' (the deterministic "
+            "seeded token table of the embedded data), or a local directory holding a "
+            "transformers encoder and its tokenizer (UMT5, Qwen2-style; the encode extra)."),
         Arg("text_max_tokens", "int", 8, "Caption length in tokens (padded and masked)."),
         Arg("text_encoder_hidden_state_skip_layer", "int", 0,
             "How many final layers of a real text encoder to drop: the caption embedding is "
