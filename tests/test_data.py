@@ -166,3 +166,13 @@ def test_too_little_data_for_one_global_batch_raises(other_dir):
     dataset = ParquetLatentDataset(str(other_dir))
     with pytest.raises(ValueError, match="no full global batch"):
         DistributedBatchIterator(dataset, batch_size=4, dp_rank=0, dp_world=2, seed=0)
+
+
+def test_a_cursor_saved_before_streaming_resumes_at_its_epoch_and_position(shapes_dir, caplog):
+    dataset = ParquetLatentDataset(str(shapes_dir))
+    iterator = DistributedBatchIterator(dataset, batch_size=4, dp_rank=0, dp_world=2, seed=3)
+    old = {"epoch": 1, "position": 2, "seed": 3, "dp_rank": 0, "dp_world": 2, "dataset_size": 24,
+           "batch_size": 4, "drop_last": True}
+    iterator.load_state_dict(old)
+    assert iterator.cursor["streams"]["all"] == {"epoch": 1, "position": 8}
+    assert "order is drawn anew" in caplog.text

@@ -185,6 +185,9 @@ def _upgrade_legacy_state(state: dict) -> dict:
     """A cursor saved before streams existed ({epoch, position in batches}) in today's form."""
     if "cursor" in state or "epoch" not in state:
         return state
+    log.warning("data cursor from before the streaming reader: its epoch and position are kept, "
+                "but this epoch's order is drawn anew, so some of its samples may repeat or be "
+                "skipped until the next epoch")
     position = int(state["position"]) * int(state.get("batch_size", 1))
     return {**state, "cursor": {"batch": int(state["position"]),
                                 "streams": {"all": {"epoch": int(state["epoch"]), "position": position}}}}
