@@ -15,9 +15,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.args import resolve_args  # noqa: E402
-from trainer.build import build_data  # noqa: E402
-from trainer.distributed import init_distributed  # noqa: E402
+from trainer.args import resolve_args
+from trainer.build import build_data
+from trainer.distributed import init_distributed
 
 
 def main() -> None:

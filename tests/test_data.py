@@ -5,7 +5,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from trainer.data import DistributedBatchIterator, ParquetLatentDataset, decode_tensor, resolve_data_paths
+from trainer.data import (
+    DistributedBatchIterator,
+    ParquetLatentDataset,
+    decode_tensor,
+    resolve_data_paths,
+)
 from trainer.synthetic import generate_dataset, make_clip
 
 

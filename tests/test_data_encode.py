@@ -11,9 +11,9 @@ import torch
 pytest.importorskip("transformers", reason="needs the encode extra")
 imageio = pytest.importorskip("imageio.v3")
 
-from trainer.data import ParquetLatentDataset, SampleIndex  # noqa: E402
-from trainer.data.encode import EncodeError, MediaEncoder, encode_manifest, load_media  # noqa: E402
-from trainer.text_encoder import build_text_encoder  # noqa: E402
+from trainer.data import ParquetLatentDataset, SampleIndex
+from trainer.data.encode import EncodeError, MediaEncoder, encode_manifest, load_media
+from trainer.text_encoder import build_text_encoder
 
 WORDS = ["a", "red", "square", "moving", "left", "blue", "circle", "up", "green", "still"]
 

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from fixtures.fastvideo_t2v import write_fastvideo_dataset
 
 ROOT = Path(__file__).resolve().parents[1]

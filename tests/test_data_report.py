@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-
 from fixtures.fastvideo_t2v import T2V_SCHEMA, write_fastvideo_dataset
+
 from launcher.cli import main
 from trainer.data import BatchPlan, SampleIndex
 

@@ -7,9 +7,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from fixtures.fastvideo_t2v import (
+    T2V_SCHEMA,
+    row_number,
+    sample_tensors,
+    write_fastvideo_dataset,
+)
 
-from fixtures.fastvideo_t2v import T2V_SCHEMA, row_number, sample_tensors, write_fastvideo_dataset
-from trainer.data import BatchPlan, DistributedBatchIterator, ParquetLatentDataset, SampleIndex
+from trainer.data import (
+    BatchPlan,
+    DistributedBatchIterator,
+    ParquetLatentDataset,
+    SampleIndex,
+)
 from trainer.synthetic import generate_dataset
 
 PATCH = (1, 2, 2)

@@ -19,7 +19,8 @@ from trainer.data.order import BatchPlan
 _LAZY = {"decode_tensor": "trainer.data.reader", "ParquetLatentDataset": "trainer.data.reader",
          "DistributedBatchIterator": "trainer.data.loader"}
 
-__all__ = ["BatchPlan", "SampleIndex", "first_latent_shape", "resolve_data_paths", *_LAZY]
+__all__ = ["BatchPlan", "DistributedBatchIterator", "ParquetLatentDataset", "SampleIndex", "decode_tensor",
+           "first_latent_shape", "resolve_data_paths"]
 
 
 def __getattr__(name):

@@ -141,7 +141,7 @@ def _row(number: int, entry: dict, encoder: MediaEncoder) -> dict:
             "first_frame_latent_shape": list(first.shape), "first_frame_latent_dtype": "float32",
             "file_name": entry["path"], "caption": entry["caption"], "media_type": media,
             "width": int(frames.shape[2]), "height": int(frames.shape[1]),
-            "num_frames": int(len(frames)), "fps": fps,
+            "num_frames": len(frames), "fps": fps,
             "duration_sec": len(frames) / fps if fps else 0.0}
 
 
@@ -151,8 +151,8 @@ def _part_name(rank: int, part: int) -> str:
 
 def _env_rank(rank, world_size) -> tuple[int, int]:
     # One process per GPU under torchrun or srun: the launcher's variables give the share.
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) if rank is None else rank
-    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1))) if world_size is None else world_size
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) if rank is None else rank
+    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))) if world_size is None else world_size
     if not 0 <= rank < world:
         raise EncodeError(f"rank {rank} is outside a world of {world}")
     return rank, world

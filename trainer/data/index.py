@@ -14,8 +14,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from trainer.data.formats import (FIRST_FRAME_COLUMNS, INDEX_COLUMNS, latent_shape_4d, missing_columns,
-                                  resolve_datasets)
+from trainer.data.formats import (
+    FIRST_FRAME_COLUMNS,
+    INDEX_COLUMNS,
+    latent_shape_4d,
+    missing_columns,
+    resolve_datasets,
+)
 
 
 @dataclass(frozen=True)

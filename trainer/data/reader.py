@@ -13,8 +13,14 @@ from collections import OrderedDict
 import pyarrow.parquet as pq
 import torch
 
-from trainer.data.formats import (FIRST_FRAME_COLUMNS, REQUIRED_COLUMNS, TEXT_MASK_COLUMNS, latent_shape_4d,
-                                  normalise_dtype, tensor_nbytes)
+from trainer.data.formats import (
+    FIRST_FRAME_COLUMNS,
+    REQUIRED_COLUMNS,
+    TEXT_MASK_COLUMNS,
+    latent_shape_4d,
+    normalise_dtype,
+    tensor_nbytes,
+)
 from trainer.data.index import SampleIndex
 from trainer.data.order import WINDOW_BLOCKS
 

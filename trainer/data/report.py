@@ -124,9 +124,9 @@ def _packing_efficiency(plan: BatchPlan) -> float:
 
 def format_inspect(report: dict) -> str:
     """The inspect report as a few lines of text."""
-    lines = [f"layout {', '.join(report['layouts'])}: {report['samples']} samples "
-             f"({report['images']} images) in {report['shards']} shards, "
-             f"{report['row_groups']} row groups; per dataset {report['datasets']}",
+    lines = [(f"layout {', '.join(report['layouts'])}: {report['samples']} samples "
+              f"({report['images']} images) in {report['shards']} shards, "
+              f"{report['row_groups']} row groups; per dataset {report['datasets']}"),
              "shapes [C, T, H, W]:"]
     lines += [f"  {s['shape']}: {s['count']}" for s in report["shapes"][:12]]
     if len(report["shapes"]) > 12:

@@ -65,7 +65,7 @@ def fm_loss_packed(model: nn.Module, batch: dict, args, null_text: torch.Tensor,
     drop = torch.rand(len(xs)) < args.cfg_drop_prob if args.cfg_drop_prob > 0 else [False] * len(xs)
     inputs, times, targets = [], [], []
     for i, x0 in enumerate(xs):
-        c, frames, h, w = x0.shape
+        _, frames, h, w = x0.shape
         sigma = training_sigma(1, args, (frames // pt) * (h // ph) * (w // pw)).to(x0.device)
         clean = sample_condition_frames(1, frames, image_prob=args.image_cond_prob,
                                         video_prob=args.video_cond_prob,
