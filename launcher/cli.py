@@ -7,6 +7,7 @@ argument parsing of train.py itself lives in trainer/args.py and is reused, neve
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
@@ -239,6 +240,110 @@ def cmd_env_probe(ns: argparse.Namespace) -> int:
     return print_probe(as_json=ns.json, import_kernels=ns.import_kernels)
 
 
+def _data_path(entries: list[str]):
+    """DIR or DIR:REPEAT arguments as a data_path (a directory, or a {directory: repeat} map)."""
+    if len(entries) == 1 and ":" not in entries[0]:
+        return entries[0]
+    mapping = {}
+    for entry in entries:
+        directory, _, repeat = entry.rpartition(":") if ":" in entry else (entry, "", "1")
+        mapping[directory] = int(repeat)
+    return mapping
+
+
+def cmd_data_inspect(ns: argparse.Namespace) -> int:
+    from trainer.data.report import format_inspect, inspect_data
+
+    try:
+        report = inspect_data(_data_path(ns.data), patch_size=tuple(ns.patch_size), verify=ns.verify)
+    except (OSError, ValueError, TypeError) as exc:
+        print(f"relay data inspect: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if ns.json else format_inspect(report))
+    return 1 if report["bad_rows"] else 0
+
+
+def cmd_data_plan(ns: argparse.Namespace) -> int:
+    from trainer.data.report import format_plan, plan_rank
+
+    try:
+        report = plan_rank(_data_path(ns.data), world_size=ns.world_size, cp_size=ns.cp_size,
+                           seed=ns.seed, rank=ns.rank, batch_size=ns.batch_size,
+                           token_budget=ns.token_budget, patch_size=tuple(ns.patch_size),
+                           image_sample_prob=ns.image_sample_prob, batches=ns.batches)
+    except (OSError, ValueError, TypeError) as exc:
+        print(f"relay data plan: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if ns.json else format_plan(report))
+    return 0
+
+
+def cmd_data_encode(ns: argparse.Namespace) -> int:
+    from trainer.data.encode import EncodeError, encode_manifest
+
+    try:
+        summary = encode_manifest(ns.manifest, vae_dir=ns.vae, text_encoder_dir=ns.text_encoder,
+                                  out_dir=ns.out, rank=ns.rank, world_size=ns.world_size,
+                                  skip_layer=ns.skip_layer, rows_per_shard=ns.rows_per_shard,
+                                  device=ns.device)
+    except EncodeError as exc:
+        print(f"relay data encode: {exc}", file=sys.stderr)
+        return 2
+    print(f"encoded {summary['encoded']} (already done {summary['skipped']}), bad "
+          f"{len(summary['bad'])} -> {summary['out']}")
+    for bad in summary["bad"]:
+        print(f"  bad: {bad['path']}: {bad['reason']}")
+    return 1 if summary["bad"] else 0
+
+
+def _add_data_verbs(sub) -> None:
+    p = sub.add_parser("data", help="inspect, plan and encode training data")
+    data_sub = p.add_subparsers(dest="data_command", required=True)
+
+    def add_source(p: argparse.ArgumentParser) -> None:
+        p.add_argument("data", nargs="+", metavar="DIR[:REPEAT]",
+                       help="dataset directories (relay or FastVideo layout), each with an "
+                            "optional repeat count, as data_path")
+        p.add_argument("--patch-size", type=int, nargs=3, default=[1, 2, 2],
+                       metavar=("PT", "PH", "PW"), help="patch size for token counts (default 1 2 2)")
+        p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    p = data_sub.add_parser("inspect", help="rows, shards, shapes, token lengths, dtypes, bad rows")
+    add_source(p)
+    p.add_argument("--verify", action="store_true",
+                   help="also read the tensor bytes and check their lengths (reads everything)")
+    p.set_defaults(func=cmd_data_inspect)
+
+    p = data_sub.add_parser("plan", help="which samples a rank reads first, packing efficiency")
+    add_source(p)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--cp-size", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rank", type=int, default=0, help="global rank (dp rank = rank // cp_size)")
+    p.add_argument("--batch-size", type=int, default=1, help="samples per batch without packing")
+    p.add_argument("--token-budget", type=int, default=None, help="packing_token_budget")
+    p.add_argument("--image-sample-prob", type=float, default=None)
+    p.add_argument("--batches", type=int, default=8, help="how many batches to list")
+    p.set_defaults(func=cmd_data_plan)
+
+    p = data_sub.add_parser("encode", help="encode videos/images and captions into shards "
+                                           "(needs the encode extra)")
+    p.add_argument("manifest", help="CSV or JSON list of {path, caption}")
+    p.add_argument("--vae", required=True, help="a diffusers AutoencoderKLWan directory")
+    p.add_argument("--text-encoder", dest="text_encoder", required=True,
+                   help="a transformers text encoder directory (with its tokenizer)")
+    p.add_argument("--out", required=True, help="output dataset directory")
+    p.add_argument("--rank", type=int, default=None,
+                   help="this process's share of the manifest (default: RANK or SLURM_PROCID, else 0)")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="processes sharing the manifest (default: WORLD_SIZE or SLURM_NTASKS, else 1)")
+    p.add_argument("--skip-layer", type=int, default=0,
+                   help="text_encoder_hidden_state_skip_layer: final layers to drop")
+    p.add_argument("--rows-per-shard", type=int, default=64)
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=cmd_data_encode)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="relay", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -323,6 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--import-kernels", action="store_true",
                    help="also import flash_attn, FA4, quack and triton to prove they load (slower)")
     p.set_defaults(func=cmd_env_probe)
+    _add_data_verbs(sub)
     return parser
 
 

@@ -5,7 +5,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from trainer.data import DistributedBatchIterator, ParquetLatentDataset, decode_tensor, resolve_data_paths
+from trainer.data import (
+    DistributedBatchIterator,
+    ParquetLatentDataset,
+    decode_tensor,
+    resolve_data_paths,
+)
 from trainer.synthetic import generate_dataset, make_clip
 
 
@@ -145,7 +150,7 @@ def test_resume_mid_epoch_yields_the_identical_next_batches(shapes_dir):
     for _ in range(2):  # mid-epoch: 3 batches per epoch
         original.next_batch()
     state = json.loads(json.dumps(original.state_dict()))  # as saved to dataloader/<rank>.json
-    assert state["epoch"] == 0 and state["position"] == 2 and state["dp_world"] == 2
+    assert state["cursor"]["streams"]["all"] == {"epoch": 0, "position": 8} and state["dp_world"] == 2
     resumed = DistributedBatchIterator(dataset, batch_size=4, dp_rank=1, dp_world=2, seed=99)
     resumed.load_state_dict(state)
     for _ in range(5):  # crosses into the next epochs
@@ -166,3 +171,13 @@ def test_too_little_data_for_one_global_batch_raises(other_dir):
     dataset = ParquetLatentDataset(str(other_dir))
     with pytest.raises(ValueError, match="no full global batch"):
         DistributedBatchIterator(dataset, batch_size=4, dp_rank=0, dp_world=2, seed=0)
+
+
+def test_a_cursor_saved_before_streaming_resumes_at_its_epoch_and_position(shapes_dir, caplog):
+    dataset = ParquetLatentDataset(str(shapes_dir))
+    iterator = DistributedBatchIterator(dataset, batch_size=4, dp_rank=0, dp_world=2, seed=3)
+    old = {"epoch": 1, "position": 2, "seed": 3, "dp_rank": 0, "dp_world": 2, "dataset_size": 24,
+           "batch_size": 4, "drop_last": True}
+    iterator.load_state_dict(old)
+    assert iterator.cursor["streams"]["all"] == {"epoch": 1, "position": 8}
+    assert "order is drawn anew" in caplog.text

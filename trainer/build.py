@@ -8,10 +8,14 @@ the frozen teacher and trainable critic of Stage2, the data iterator of this ran
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from trainer.distributed import Topology, barrier, wrap_for_training
 from trainer.schema import ResolvedArgs, model_config
+
+log = logging.getLogger(__name__)
 
 
 def build_model(args: ResolvedArgs, device: torch.device, config: dict | None = None):
@@ -57,12 +61,16 @@ def build_text_encoder(args: ResolvedArgs):
     from trainer.text_encoder import build_text_encoder as build
 
     return build(args.text_encoder, text_dim=model_config(args)["text_dim"],
-                 max_tokens=args.text_max_tokens)
+                 max_tokens=args.text_max_tokens,
+                 skip_layer=args.text_encoder_hidden_state_skip_layer)
 
 
 def build_data(args: ResolvedArgs, topo: Topology, seed_offset: int = 0):
-    """This rank's batch iterator over the run's parquet data (generating the embedded set first)."""
-    from trainer.data import DistributedBatchIterator, ParquetLatentDataset, resolve_data_paths
+    """This rank's batch iterator over the run's parquet data (generating the embedded set first).
+
+    Raises ValueError when the data cannot make the batches asked for (see BatchPlan).
+    """
+    from trainer.data import DistributedBatchIterator, ParquetLatentDataset
     from trainer.synthetic import ensure_dataset
 
     if args.synthetic_data:
@@ -72,11 +80,21 @@ def build_data(args: ResolvedArgs, topo: Topology, seed_offset: int = 0):
                            width=args.synthetic_width, text_dim=model_config(args)["text_dim"],
                            max_text_tokens=args.text_max_tokens)
         barrier()
-    dataset = ParquetLatentDataset(resolve_data_paths(args.data_path),
-                                   max_text_tokens=args.text_max_tokens)
-    return DistributedBatchIterator(dataset, batch_size=args.train_batch_size,
-                                    dp_rank=topo.dp_rank, dp_world=topo.dp_world,
-                                    seed=args.seed + seed_offset)
+    packing = args.packing_token_budget is not None
+    # Packs keep every caption at its own length; stacked batches need one length.
+    dataset = ParquetLatentDataset(args.data_path, pad_text=not packing,
+                                   max_text_tokens=None if packing else args.text_max_tokens)
+    bad = dataset.index.bad_rows
+    if bad:
+        log.warning("%d rows of the data are unreadable and left out; first: %s", len(bad), bad[0])
+    return DistributedBatchIterator(
+        dataset, batch_size=args.train_batch_size, dp_rank=topo.dp_rank, dp_world=topo.dp_world,
+        seed=args.seed + seed_offset, token_budget=args.packing_token_budget,
+        patch_size=model_config(args)["patch_size"], image_sample_prob=args.image_sample_prob,
+        num_workers=args.packed_dataloader_num_workers,
+        prefetch_factor=args.packed_dataloader_prefetch_factor,
+        pin_memory=topo.device.type == "cuda",
+        reset_streams=() if args.resume_video_csv else ("video",))
 
 
 def sample_latent_shape(args: ResolvedArgs) -> tuple[int, int, int, int]:
@@ -107,11 +125,13 @@ def build_stage(args: ResolvedArgs, topo: Topology):
 
 def _fm_stage(args: ResolvedArgs, topo: Topology):
     """Pretrain / SFT: one transformer, its optimizer, schedule and EMA."""
-    from trainer.stages.fm import FlowMatchingStage
+    from trainer.stages.fm import FlowMatchingStage, PackedForward
 
     model = prepare_for_training(build_model(args, topo.device), args)
     optimizer, scheduler = _optimization(args, model, max_steps=args.max_steps)
-    return FlowMatchingStage(model, wrap_for_training(model, topo), optimizer, scheduler,
+    # Packs run through forward_packed; the wrapper makes it the forward that DDP hooks.
+    runs = PackedForward(model) if args.packing_token_budget is not None else model
+    return FlowMatchingStage(model, wrap_for_training(runs, topo), optimizer, scheduler,
                              _ema(args, model), build_data(args, topo), args,
                              build_text_encoder(args), topo.device, dp_rank=topo.dp_rank,
                              dp_world=topo.dp_world)

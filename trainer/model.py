@@ -542,6 +542,33 @@ class VideoDiT(nn.Module):
                            text=(txt, text_plan))
         return self._unpatchify(out, frames, h, w)
 
+    def forward_packed(self, xs: list[torch.Tensor], ts: list[Any], texts: list[torch.Tensor],
+                       text_masks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Predictions [C_out, T_i, H_i, W_i] for samples of different shapes run as one pack.
+
+        xs: latents [C, T_i, H_i, W_i]; ts: each sample's raw time (scalar or [T_i]); texts:
+        [L_i, text_dim]; text_masks: bool [L_i]. Every sample sees only its own caption, video,
+        RoPE grid and time (trainer.data.packing), so each prediction equals forward() on that
+        sample alone. Bidirectional only. Raises ValueError for mismatched shapes.
+        """
+        from trainer.data.packing import pack_layout
+
+        layout = pack_layout(xs, texts, self.cfg.patch_size)
+        conds, slots, used = [], [], 0
+        for x, t, (frames, rows, cols) in zip(xs, ts, layout.grids):
+            cond = self._conditioning(torch.as_tensor(t, device=x.device)[None], None, 1,
+                                      x.shape[1], x.device)
+            per_frame = torch.arange(frames, device=x.device).repeat_interleave(rows * cols)
+            slots.append(used + (per_frame if cond.shape[1] > 1 else per_frame * 0))
+            conds.append(cond)
+            used += cond.shape[1]
+        vid = torch.cat([self._patchify(x[None]) for x in xs], dim=1)
+        text = self.text_embedder(torch.cat(texts)[None])
+        out, _ = self._run(vid, torch.cat(conds, dim=1), torch.cat(slots), layout.positions(vid.device),
+                           layout.video_mask(text_masks), text=(text, layout.text_mask(text_masks)))
+        pieces = out.split(layout.video_lens, dim=1)
+        return [self._unpatchify(p, *x.shape[1:])[0] for p, x in zip(pieces, xs)]
+
     def forward_teacher_forcing(self, noisy: torch.Tensor, clean: torch.Tensor, t: Any, text: torch.Tensor,
                                 text_mask: torch.Tensor | None = None, r: Any = None,
                                 return_clean: bool = False):

@@ -8,9 +8,13 @@ trainer.stage_checks and are called from here only.
 
 from __future__ import annotations
 
+<<<<<<< HEAD
 import os
 import re
 import tempfile
+=======
+import json
+>>>>>>> data
 import warnings
 from pathlib import Path
 
@@ -90,10 +94,14 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
                "`synthetic_data: true` needs `data_path` to be one directory, not a mapping.")
         for directory, repeat in args.data_path.items():
             _check(repeat >= 1, f"data_path: repeat count of {directory} must be >= 1, got {repeat}.")
+<<<<<<< HEAD
     _check(args.legacy_eager_mode,
            "`legacy_eager_mode: false` asks for the seed trainer's CUDA-graph mode, which relay does "
            "not have: relay runs eager PyTorch (with torch.compile per block when "
            "compile_transformer is set). Set legacy_eager_mode: true or remove the key.")
+=======
+    _validate_data_keys(args)
+>>>>>>> data
     if check_paths:
         _validate_placeholders(args)
         _validate_paths(args)
@@ -115,7 +123,72 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
            f"job would refuse to start on the cluster. Use cp_size: 1 and hybrid_shard: false.")
 
 
+CONDITIONING_TASKS = ("t2v", "i2v", "continuation")
+
+
+def _validate_data_keys(args: ResolvedArgs) -> None:
+    _check(args.packed_dataloader_num_workers >= 0,
+           f"`packed_dataloader_num_workers` must be >= 0 (0 reads in the training process), "
+           f"got {args.packed_dataloader_num_workers}.")
+    _check(args.packed_dataloader_prefetch_factor >= 1,
+           f"`packed_dataloader_prefetch_factor` must be >= 1, got "
+           f"{args.packed_dataloader_prefetch_factor}.")
+    _check(args.text_encoder_hidden_state_skip_layer >= 0,
+           "`text_encoder_hidden_state_skip_layer` must be >= 0 (0 takes the last layer).")
+    if args.packing_token_budget is not None:
+        _check(args.packing_token_budget >= 1,
+               f"`packing_token_budget` must be >= 1 or null, got {args.packing_token_budget}.")
+        _check(args.stage == "fm",
+               f"`packing_token_budget` is set but the {args.stage} stage does not train on packs "
+               "yet (only fm: pretrain and SFT). Set packing_token_budget: null.")
+        _check(model_config(args)["causal_chunk_size"] is None,
+               "`packing_token_budget` is set but the model is block-causal (causal_chunk_size); "
+               "packed attention is bidirectional only. Set packing_token_budget: null.")
+    if args.image_sample_prob is not None:
+        _check(0.0 <= args.image_sample_prob <= 1.0,
+               f"`image_sample_prob` must lie in [0, 1] or be null, got {args.image_sample_prob}.")
+    unknown = [t for t in args.conditioning_schema if t not in CONDITIONING_TASKS]
+    _check(not unknown, f"conditioning_schema: unknown task(s) {', '.join(unknown)}. Valid: "
+                        f"{', '.join(CONDITIONING_TASKS)}.")
+    for prob, task in (("image_cond_prob", "i2v"), ("video_cond_prob", "continuation")):
+        _check(args[prob] == 0 or task in args.conditioning_schema,
+               f"`{prob}` is {args[prob]} but conditioning_schema ({args.conditioning_schema}) "
+               f"does not list {task}: the data does not support that task. Set {prob}: 0, or "
+               f"add {task} to conditioning_schema if the data supports it.")
+    if not args.resume_video_csv:
+        if not args.resume_data_state:
+            warnings.warn("`resume_video_csv: false` has no effect with `resume_data_state: "
+                          "false`: every data stream restarts anyway.")
+        elif args.image_sample_prob is None:
+            warnings.warn("`resume_video_csv: false` has no effect without `image_sample_prob`: "
+                          "images and videos are one stream, whose cursor is resumed.")
+
+
+def _validate_text_encoder(args: ResolvedArgs) -> None:
+    """'standin', or a transformers encoder directory whose width is the model's text_dim."""
+    if args.text_encoder == "standin":
+        return
+    config = Path(args.text_encoder) / "config.json"
+    _check(config.is_file(),
+           f"`text_encoder` is {args.text_encoder!r}: neither 'standin' nor a directory holding a "
+           f"transformers encoder (config.json). Point it at the encoder's local directory.")
+    try:
+        settings = json.loads(config.read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"`text_encoder`: {config} is not readable JSON ({error}).") from None
+    width = settings.get("hidden_size", settings.get("d_model"))
+    text_dim = model_config(args)["text_dim"]
+    _check(width == text_dim,
+           f"`text_encoder` {args.text_encoder} gives {width}-wide embeddings but the model's "
+           f"text_dim is {text_dim}. Set text_dim: {width} in transformer_config_overrides.")
+    layers = settings.get("num_hidden_layers", settings.get("num_layers"))
+    _check(layers is None or args.text_encoder_hidden_state_skip_layer < layers,
+           f"`text_encoder_hidden_state_skip_layer` ({args.text_encoder_hidden_state_skip_layer}) "
+           f"must be below the encoder's {layers} layers.")
+
+
 def _validate_paths(args: ResolvedArgs) -> None:
+    _validate_text_encoder(args)
     if args.data_path is not None and not args.synthetic_data:
         dirs = [args.data_path] if isinstance(args.data_path, str) else list(args.data_path)
         for directory in dirs:

@@ -69,9 +69,14 @@ SECTIONS: dict[str, list[Arg]] = {
             "fnmatch patterns of source keys the model may drop (e.g. 'r_embedder.*' when the "
             "Stage2 student loads Stage1 weights). Anything else unexpected is an error."),
         Arg("text_encoder", "str", "standin",
-            "Text encoder used for sampling prompts. 'standin': the deterministic seeded token "
-            "table of the embedded data.", choices=("standin",)),
+            "Text encoder for validation and sampling prompts: 'standin' (the deterministic "
+            "seeded token table of the embedded data), or a local directory holding a "
+            "transformers encoder and its tokenizer (UMT5, Qwen2-style; the encode extra)."),
         Arg("text_max_tokens", "int", 8, "Caption length in tokens (padded and masked)."),
+        Arg("text_encoder_hidden_state_skip_layer", "int", 0,
+            "How many final layers of a real text encoder to drop: the caption embedding is "
+            "the hidden state that many layers before the last. Encoding and inference must "
+            "use the same value."),
     ],
     "training": [
         Arg("stage", "str", "fm",
@@ -151,6 +156,19 @@ SECTIONS: dict[str, list[Arg]] = {
         Arg("synthetic_num_frames", "int", 8, "Frames per synthetic clip."),
         Arg("synthetic_height", "int", 16, "Synthetic clip height in pixels."),
         Arg("synthetic_width", "int", 16, "Synthetic clip width in pixels."),
+        Arg("packed_dataloader_num_workers", "int", 0,
+            "Worker processes that read and decode batches (0: in the training process)."),
+        Arg("packed_dataloader_prefetch_factor", "int", 2,
+            "Batches each worker reads ahead; host memory holds about workers x this many."),
+        Arg("packing_token_budget", "int", None,
+            "Pack variable-shape samples into micro-batches of at most this many joint tokens "
+            "(video tokens after patchify + caption tokens), instead of train_batch_size "
+            "samples of one shape. null: no packing.", nullable=True),
+        Arg("image_sample_prob", "float", None,
+            "Draw each batch from the image samples (media_type image, or one latent frame) "
+            "with this probability and from the videos otherwise, each stream with its own "
+            "epochs and cursor. 0.0 leaves images out. null: one stream of everything.",
+            nullable=True),
     ],
     "tasks": [
         Arg("cfg_drop_prob", "float", 0.1,
@@ -160,6 +178,10 @@ SECTIONS: dict[str, list[Arg]] = {
         Arg("video_cond_prob", "float", 0.0,
             "Probability that a sample keeps its first video_cond_frames frames clean."),
         Arg("video_cond_frames", "int", 2, "Clean leading frames of a video-conditioned sample."),
+        Arg("conditioning_schema", "str_list", ["t2v", "i2v", "continuation"],
+            "The conditioning tasks the data supports: t2v (caption only), i2v (first frame "
+            "given; needed by image_cond_prob > 0), continuation (leading frames given; needed "
+            "by video_cond_prob > 0)."),
     ],
     "distributed": [
         Arg("hybrid_shard", "bool", False,
@@ -262,6 +284,9 @@ SECTIONS: dict[str, list[Arg]] = {
         Arg("resume_data_state", "bool", True,
             "Resume the data cursors with the checkpoint. false restarts the data stream (needed "
             "when the data-parallel size changed)."),
+        Arg("resume_video_csv", "bool", True,
+            "false: resume everything but restart the video stream from the top, keeping the "
+            "image stream's cursor (needs image_sample_prob, which splits the two streams)."),
         Arg("preemption_signal", "str", "SIGUSR2",
             "Signal that asks the run to save at the next step and exit for requeue (SIGTERM "
             "is always handled too).", choices=("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT")),

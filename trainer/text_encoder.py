@@ -3,8 +3,8 @@
 The embedded default uses `StandInTextEncoder`: no weights, no downloads, the same vectors on
 every machine. Each word gets a fixed random vector drawn from a generator seeded by a stable
 hash of (seed, word), so a dataset encoded today and a prompt encoded at sampling time next
-week agree exactly. `build_text_encoder` is the one place a real encoder (T5, UMT5, ...) will
-be plugged in later.
+week agree exactly. `TransformersTextEncoder` is a real one (UMT5, Qwen2-style, ...) loaded
+from a local directory; `build_text_encoder` picks between them.
 """
 
 from __future__ import annotations
@@ -99,21 +99,95 @@ class StandInTextEncoder:
         return self.encode([""])
 
 
+class TransformersTextEncoder:
+    """A transformers text encoder (UMT5, T5, Qwen2-style, ...) with its tokenizer, from a local
+    directory (no hub at run time; needs the `encode` extra).
+
+    encode(captions) gives the hidden state `skip_layer` layers before the last (the seed's
+    text_encoder_hidden_state_skip_layer; 0 = the final, normalised output) for the first
+    max_tokens tokens of each caption, float32 [B, max_tokens, D], and its mask. An
+    encoder-decoder checkpoint contributes its encoder only. A caption that tokenizes to
+    nothing keeps one (padding) token in its mask, so attention never sees an empty row.
+
+    Raises ImportError naming the extra when transformers is missing, ValueError when
+    skip_layer is not below the number of layers.
+    """
+
+    name = "transformers"
+
+    def __init__(self, directory, max_tokens: int = 512, skip_layer: int = 0, device="cpu"):
+        try:
+            import transformers
+        except ImportError as error:
+            raise ImportError("a text encoder directory needs transformers: pip install "
+                              "'relay[encode]'") from error
+        self.directory, self.max_tokens, self.skip_layer = str(directory), int(max_tokens), int(skip_layer)
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.directory, local_files_only=True)
+        # The class the checkpoint was saved as (UMT5EncoderModel stays encoder-only); AutoModel
+        # when the config does not say.
+        config = transformers.AutoConfig.from_pretrained(self.directory, local_files_only=True)
+        saved_as = getattr(transformers, (config.architectures or [""])[0], None)
+        model = (saved_as or transformers.AutoModel).from_pretrained(self.directory, local_files_only=True)
+        if getattr(model.config, "is_encoder_decoder", False):
+            model = model.get_encoder()
+        self.model = model.to(device).eval().requires_grad_(False)
+        self.device = torch.device(device)
+        layers = model.config.num_hidden_layers if hasattr(model.config, "num_hidden_layers") \
+            else model.config.num_layers
+        if not 0 <= self.skip_layer < layers:
+            raise ValueError(f"text_encoder_hidden_state_skip_layer {skip_layer} must be in "
+                             f"[0, {layers}) for {self.directory} ({layers} layers)")
+        self.text_dim = int(getattr(model.config, "hidden_size", None) or model.config.d_model)
+
+    @property
+    def config(self) -> dict:
+        return {"name": self.name, "directory": self.directory, "text_dim": self.text_dim,
+                "max_tokens": self.max_tokens, "skip_layer": self.skip_layer}
+
+    @torch.no_grad()
+    def encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden float32 [B, max_tokens, D], mask bool [B, max_tokens]) for a list of captions."""
+        if isinstance(captions, str):
+            raise TypeError("encode() takes a list of captions, not a single string")
+        tokens = self.tokenizer(list(captions), padding="max_length", truncation=True,
+                                max_length=self.max_tokens, return_tensors="pt").to(self.device)
+        mask = tokens["attention_mask"].bool()
+        empty = ~mask.any(dim=1)
+        mask[empty, 0] = True
+        out = self.model(input_ids=tokens["input_ids"], attention_mask=mask.long(),
+                         output_hidden_states=True)
+        hidden = out.hidden_states[-1 - self.skip_layer].float()
+        return hidden.masked_fill(~mask[..., None], 0.0).cpu(), mask.cpu()
+
+    def null_embedding(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unconditional (empty caption) embedding: encode([""]), shapes [1, L, D] and [1, L]."""
+        return self.encode([""])
+
+
 _ENCODERS: dict[str, Callable[..., StandInTextEncoder]] = {
     StandInTextEncoder.name: StandInTextEncoder,
 }
 
 
-def build_text_encoder(name: str = "standin", **kwargs):
-    """Build a text encoder by name; kwargs go to its constructor.
+def build_text_encoder(name: str = "standin", *, skip_layer: int = 0, device="cpu", **kwargs):
+    """Build a text encoder: 'standin', or a directory holding a transformers encoder and its
+    tokenizer. kwargs go to the stand-in's constructor (a directory's takes max_tokens only;
+    its text_dim comes from the checkpoint).
 
     Returns an object with encode(list[str]) -> (hidden, mask), null_embedding() and config.
-    Raises ValueError for an unknown name, listing the known ones.
+    Raises ValueError for an unknown name that is not a directory, listing the known ones.
     """
-    try:
-        factory = _ENCODERS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown text encoder {name!r}; known: {', '.join(sorted(_ENCODERS))}"
-        ) from None
-    return factory(**kwargs)
+    if name in _ENCODERS:
+        return _ENCODERS[name](**kwargs)
+    from pathlib import Path
+
+    if Path(name).is_dir():
+        encoder = TransformersTextEncoder(name, max_tokens=kwargs.get("max_tokens", 512),
+                                          skip_layer=skip_layer, device=device)
+        wanted = kwargs.get("text_dim")
+        if wanted is not None and wanted != encoder.text_dim:
+            raise ValueError(f"text encoder {name} gives {encoder.text_dim}-wide embeddings but "
+                             f"the model's text_dim is {wanted}")
+        return encoder
+    raise ValueError(f"unknown text encoder {name!r}: not a directory, and not one of "
+                     f"{', '.join(sorted(_ENCODERS))}")

@@ -363,9 +363,10 @@ def test_two_process_run_preempted_on_one_rank_resumes_and_refuses_another_dp_si
     _assert_all_checkpoints_valid(out)
     final = out / "checkpoint-12"
     cursors = [json.loads((final / "dataloader" / f"{r}.json").read_text()) for r in (0, 1)]
-    # 64 samples / (4 per rank x 2 ranks) = 8 steps an epoch: 12 steps end at epoch 1, batch 4.
-    # A data stream restarted at the resume would be elsewhere.
-    assert [(c["dp_rank"], c["epoch"], c["position"]) for c in cursors] == [(0, 1, 4), (1, 1, 4)]
+    # 64 samples / (4 per rank x 2 ranks) = 8 steps an epoch: 12 steps end at epoch 1, batch 4
+    # (16 samples in). A data stream restarted at the resume would be elsewhere.
+    assert [(c["dp_rank"], c["cursor"]["streams"]["all"]) for c in cursors] == [
+        (0, {"epoch": 1, "position": 16}), (1, {"epoch": 1, "position": 16})]
 
     # One process cannot take over two ranks' data cursors ...
     single = tiny_trainer.run(out, "--max_steps", "14")

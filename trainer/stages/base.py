@@ -98,9 +98,16 @@ def clip_and_check(step: int, model: nn.Module, loss: float, max_grad_norm: floa
 
 
 def batch_to_device(batch: dict, device: torch.device) -> dict:
-    """A data batch with its tensors moved to `device` (captions and ids stay as they are)."""
-    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
-            for k, v in batch.items()}
+    """A data batch with its tensors, and a pack's lists of tensors, moved to `device`
+    (captions and ids stay as they are)."""
+    def move(value):
+        if isinstance(value, torch.Tensor):
+            return value.to(device, non_blocking=True)
+        if isinstance(value, list) and any(isinstance(v, torch.Tensor) for v in value):
+            return [move(v) for v in value]
+        return value
+
+    return {k: move(v) for k, v in batch.items()}
 
 
 def learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:

@@ -42,6 +42,66 @@ def drop_captions(text: torch.Tensor, mask: torch.Tensor, null_text: torch.Tenso
     return text, mask
 
 
+def training_sigma(batch_size: int, args, num_tokens: int) -> torch.Tensor:
+    """One training sigma per sample [B] from the diffusion keys (§3.2)."""
+    return flow.sample_training_sigma(
+        batch_size, snr_type=args.flow_snr_type, lognorm_loc=args.flow_lognorm_loc,
+        lognorm_scale=args.flow_lognorm_scale, mode_scale=args.flow_mode_scale,
+        mix_uniform_ratio=args.flow_mix_uniform_ratio, shift=args.train_timestep_shift,
+        shift_mode=args.train_timestep_shift_mode, num_tokens=num_tokens,
+        dynamic_base_tokens=args.dynamic_shift_base_tokens,
+        dynamic_max_tokens=args.dynamic_shift_max_tokens,
+        dynamic_base_shift=args.dynamic_shift_base, dynamic_max_shift=args.dynamic_shift_max)
+
+
+def fm_loss_packed(model: nn.Module, batch: dict, args, null_text: torch.Tensor,
+                   null_mask: torch.Tensor, patch_size) -> tuple[torch.Tensor, dict]:
+    """The FM loss of one pack (trainer.data.loader.collate_pack): the same draws and loss as
+    fm_loss, per sample (each its own sigma at its own token count, caption drop and clean
+    frames), the model run once over the pack; the loss is the mean over its samples."""
+    pt, ph, pw = patch_size
+    xs, texts, masks = batch["latents"], list(batch["text"]), list(batch["text_mask"])
+    # Drawn only when dropping can happen, as drop_captions does: the same random stream.
+    drop = torch.rand(len(xs)) < args.cfg_drop_prob if args.cfg_drop_prob > 0 else [False] * len(xs)
+    inputs, times, targets = [], [], []
+    for i, x0 in enumerate(xs):
+        _, frames, h, w = x0.shape
+        sigma = training_sigma(1, args, (frames // pt) * (h // ph) * (w // pw)).to(x0.device)
+        clean = sample_condition_frames(1, frames, image_prob=args.image_cond_prob,
+                                        video_prob=args.video_cond_prob,
+                                        video_frames=args.video_cond_frames).to(x0.device)
+        frame_mask = torch.arange(frames, device=x0.device)[None] >= clean[:, None]   # [1, T]
+        sigma_frames = sigma[:, None] * frame_mask.float()
+        noise = torch.randn_like(x0)
+        inputs.append(flow.interpolate(x0[None], noise[None], sigma_frames)[0])
+        times.append(flow.NUM_TRAIN_TIMESTEPS * sigma_frames[0])
+        targets.append((x0, noise, frame_mask, sigma))
+        if drop[i]:
+            texts[i], masks[i] = null_text.to(x0), null_mask.to(x0.device)
+    preds = model(inputs, times, texts, masks)
+    losses = []
+    for pred, (x0, noise, frame_mask, sigma) in zip(preds, targets):
+        weight = None
+        if args.loss_weighting != "none":
+            weight = flow.loss_weight(sigma, args.loss_weighting, args.train_timestep_shift)
+        loss, _ = flow.flow_matching_loss(pred[None].float(), x0[None].float(), noise[None].float(),
+                                          weight=weight, frame_mask=frame_mask)
+        losses.append(loss)
+    sigmas = torch.cat([t[3] for t in targets])
+    return torch.stack(losses).mean(), {"sigma_mean": float(sigmas.mean())}
+
+
+class PackedForward(nn.Module):
+    """`forward` = model.forward_packed, so DDP's and FSDP's hooks see every packed call."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, xs, ts, texts, text_masks):
+        return self.model.forward_packed(xs, ts, texts, text_masks)
+
+
 def fm_loss(model: nn.Module, batch: dict, args, null_text: torch.Tensor,
             null_mask: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, dict]:
     """The FM loss of one micro-batch (§3.2) and a few diagnostics."""
@@ -50,15 +110,7 @@ def fm_loss(model: nn.Module, batch: dict, args, null_text: torch.Tensor,
     b, _, t_frames = x0.shape[:3]
     text, mask = drop_captions(batch["text"], batch["text_mask"], null_text, null_mask,
                                args.cfg_drop_prob)
-    sigma = flow.sample_training_sigma(
-        b, snr_type=args.flow_snr_type, lognorm_loc=args.flow_lognorm_loc,
-        lognorm_scale=args.flow_lognorm_scale, mode_scale=args.flow_mode_scale,
-        mix_uniform_ratio=args.flow_mix_uniform_ratio, shift=args.train_timestep_shift,
-        shift_mode=args.train_timestep_shift_mode, num_tokens=num_tokens,
-        dynamic_base_tokens=args.dynamic_shift_base_tokens,
-        dynamic_max_tokens=args.dynamic_shift_max_tokens,
-        dynamic_base_shift=args.dynamic_shift_base, dynamic_max_shift=args.dynamic_shift_max,
-    ).to(device)
+    sigma = training_sigma(b, args, num_tokens).to(device)
     clean = sample_condition_frames(b, t_frames, image_prob=args.image_cond_prob,
                                     video_prob=args.video_cond_prob,
                                     video_frames=args.video_cond_frames).to(device)
@@ -108,7 +160,7 @@ class FlowMatchingStage(Stage):
         total, samples, stats = 0.0, 0, []
         for micro in range(accum):
             batch = batch_to_device(self.data.next_batch(), self.device)
-            samples += batch["latents"].shape[0]
+            samples += len(batch["sample_index"])
             self.tokens_per_sample = self.num_tokens(batch)
             sync = micro == accum - 1 or not hasattr(self.train_model, "no_sync")
             ctx = self.train_model.no_sync() if not sync else contextlib.nullcontext()
@@ -130,6 +182,9 @@ class FlowMatchingStage(Stage):
 
     def micro_batch_loss(self, batch: dict, micro: int) -> tuple[torch.Tensor, dict]:
         """The loss of one micro-batch (index `micro` within the step) and its diagnostics."""
+        if batch.get("packed"):
+            return fm_loss_packed(self.train_model, batch, self.args, self.null_text,
+                                  self.null_mask, self.model.config["patch_size"])
         return fm_loss(self.train_model, batch, self.args, self.null_text, self.null_mask,
                        self.tokens_per_sample)
 
@@ -149,6 +204,9 @@ class FlowMatchingStage(Stage):
 
     def num_tokens(self, batch: dict) -> int:
         pt, ph, pw = self.model.config["patch_size"]
+        if batch.get("packed"):  # the pack's mean, so samples x tokens_per_sample is its total
+            sizes = [(t // pt) * (h // ph) * (w // pw) for _, t, h, w in (x.shape for x in batch["latents"])]
+            return sum(sizes) // len(sizes)
         _, _, t, h, w = batch["latents"].shape
         return (t // pt) * (h // ph) * (w // pw)
 

@@ -1,0 +1,114 @@
+"""A pack of samples of different shapes computes what each sample computes alone."""
+
+import pytest
+import torch
+
+from trainer.data.packing import pack_layout
+from trainer.model import VideoDiT
+
+torch.set_num_threads(1)
+C, D = 2, 6
+
+
+def _model(**overrides):
+    torch.manual_seed(0)
+    cfg = dict(in_channels=C, hidden_size=16, num_attention_heads=2, num_layers=2,
+               patch_size=(1, 2, 2), rope_axes_dim=(2, 2, 4), text_dim=D, zero_init_modulation=False)
+    return VideoDiT(**{**cfg, **overrides}).double().eval()
+
+
+def _samples():
+    """Three samples: two video shapes and an image (T = 1), captions of 3, 7 and 5 tokens,
+    the last with two padded tokens."""
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(C, 3, 4, 6, generator=g, dtype=torch.float64),
+          torch.randn(C, 2, 6, 4, generator=g, dtype=torch.float64),
+          torch.randn(C, 1, 4, 4, generator=g, dtype=torch.float64)]
+    texts = [torch.randn(n, D, generator=g, dtype=torch.float64) for n in (3, 7, 5)]
+    masks = [torch.ones(3, dtype=torch.bool), torch.ones(7, dtype=torch.bool),
+             torch.tensor([True, True, True, False, False])]
+    ts = [torch.tensor(700.0), torch.tensor([100.0, 900.0]), torch.tensor(0.0)]  # per-frame for #2
+    return xs, ts, texts, masks
+
+
+def test_packed_forward_equals_each_sample_alone():
+    model = _model()
+    xs, ts, texts, masks = _samples()
+    packed = model.forward_packed(xs, ts, texts, masks)
+    for x, t, text, mask, out in zip(xs, ts, texts, masks, packed):
+        alone = model(x[None], t[None], text[None], mask[None])[0]
+        assert out.shape == alone.shape
+        torch.testing.assert_close(out, alone, rtol=1e-10, atol=1e-10)
+
+
+def test_packed_gradients_equal_the_sum_of_per_sample_gradients():
+    model = _model()
+    xs, ts, texts, masks = _samples()
+    sum(p.square().mean() for p in model.forward_packed(xs, ts, texts, masks)).backward()
+    packed = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    for x, t, text, mask in zip(xs, ts, texts, masks):
+        model(x[None], t[None], text[None], mask[None])[0].square().mean().backward()
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(packed[name], p.grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_samples_in_a_pack_do_not_see_each_other():
+    model = _model()
+    xs, ts, texts, masks = _samples()
+    before = model.forward_packed(xs, ts, texts, masks)
+    xs[1] = xs[1] + 5.0           # change only the middle sample and its caption
+    texts[1] = texts[1] * -2.0
+    after = model.forward_packed(xs, ts, texts, masks)
+    assert torch.equal(before[0], after[0]) and torch.equal(before[2], after[2])
+    assert not torch.allclose(before[1], after[1])
+
+
+def test_layout_gives_offsets_for_varlen_kernels():
+    xs, _, texts, _ = _samples()
+    layout = pack_layout(xs, texts, (1, 2, 2))
+    video, joint = layout.cu_seqlens()
+    assert video.tolist() == [0, 18, 30, 34] and joint.tolist() == [0, 21, 40, 49]
+    assert layout.positions()[18].tolist() == [0, 0, 0]   # the second sample's grid starts at 0
+
+
+def test_a_latent_off_the_patch_grid_is_refused():
+    with pytest.raises(ValueError, match="multiple of the patch size"):
+        pack_layout([torch.zeros(C, 1, 3, 4)], [torch.zeros(2, D)], (1, 2, 2))
+
+
+def _fm_args(tmp_path, **keys):
+    from trainer.args import resolve_args
+
+    argv = ["--data_path", str(tmp_path), "--output_dir", str(tmp_path / "out"), "--cfg_drop_prob", "0"]
+    for key, value in keys.items():
+        argv += [f"--{key}", str(value)]
+    return resolve_args(argv)[0]
+
+
+@pytest.mark.parametrize("keys", [{}, {"flow_snr_type": "lognorm", "train_timestep_shift_mode": "dynamic"}])
+def test_packed_fm_loss_and_gradients_equal_the_per_sample_mean(tmp_path, keys):
+    from trainer.stages.fm import PackedForward, fm_loss, fm_loss_packed
+
+    args = _fm_args(tmp_path, **keys)
+    model = _model().float()
+    xs, _, texts, masks = _samples()
+    xs, texts = [x.float() for x in xs], [t.float() for t in texts]
+    null_text, null_mask = torch.zeros(4, D), torch.ones(4, dtype=torch.bool)
+    torch.manual_seed(11)
+    pack = {"packed": True, "latents": xs, "text": texts, "text_mask": masks}
+    packed, _ = fm_loss_packed(PackedForward(model), pack, args, null_text, null_mask, (1, 2, 2))
+    packed.backward()
+    packed_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch.manual_seed(11)
+    alone = []
+    for x, text, mask in zip(xs, texts, masks):
+        batch = {"latents": x[None], "text": text[None], "text_mask": mask[None]}
+        tokens = (x.shape[1]) * (x.shape[2] // 2) * (x.shape[3] // 2)
+        alone.append(fm_loss(model, batch, args, null_text, null_mask, tokens)[0])
+    (sum(alone) / len(alone)).backward()
+    torch.testing.assert_close(packed, sum(alone) / len(alone), rtol=1e-5, atol=1e-6)
+    for got, p in zip(packed_grads, model.parameters()):
+        torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-6)

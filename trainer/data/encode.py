@@ -1,0 +1,218 @@
+"""`relay data encode`: videos and images with captions -> shards in the data format.
+
+A manifest (CSV with `path` and `caption` columns, or a JSON list of such objects; relative
+paths are relative to the manifest) is split across processes (rank r takes entries r, r + W,
+...; one process per GPU). Each process encodes its entries in parts of rows_per_shard: latents
+with a diffusers AutoencoderKLWan and caption embeddings with a transformers encoder, both from
+local directories. A part is published atomically (parquet renamed into place, then its JSON
+record), so a killed run restarted with the same arguments redoes only the part it was in.
+Files that cannot be read are listed in the part's record and in the summary, never dropped
+silently. Needs the `encode` extra (transformers; imageio with ffmpeg to decode videos).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from trainer.files import write_json
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
+
+
+class EncodeError(Exception):
+    """Encoding cannot start (bad manifest, models, or a changed split); the message says why."""
+
+
+def read_manifest(path) -> list[dict]:
+    """[{"path", "caption"}] of a CSV or JSON manifest, paths made absolute.
+
+    Raises EncodeError for a missing file, a missing column, or JSON that is not a list.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise EncodeError(f"manifest {path} does not exist")
+    if path.suffix == ".json":
+        entries = json.loads(path.read_text())
+        if not isinstance(entries, list):
+            raise EncodeError(f"{path} must hold a JSON list of {{path, caption}} objects")
+    else:
+        with path.open(newline="") as handle:
+            entries = list(csv.DictReader(handle))
+    for number, entry in enumerate(entries):
+        if not isinstance(entry, dict) or "path" not in entry or "caption" not in entry:
+            raise EncodeError(f"{path} entry {number} needs 'path' and 'caption', got {entry!r}")
+    return [{"path": str((path.parent / e["path"]).resolve()), "caption": str(e["caption"])}
+            for e in entries]
+
+
+def load_media(path: str) -> tuple[np.ndarray, str, float]:
+    """(frames uint8 [T, H, W, 3], 'image' or 'video', fps) of one file.
+
+    Raises OSError / ValueError when the file is missing or does not decode.
+    """
+    import imageio.v3 as iio
+
+    if not Path(path).is_file():
+        raise OSError("file does not exist")
+    if Path(path).suffix.lower() in IMAGE_SUFFIXES:
+        frame = iio.imread(path)
+        return np.asarray(frame)[None, ..., :3], "image", 0.0
+    frames = iio.imread(path, plugin="FFMPEG", index=None)
+    fps = float(iio.immeta(path, plugin="FFMPEG").get("fps") or 0.0)
+    if frames.ndim != 4 or len(frames) == 0:
+        raise ValueError(f"decoded to shape {frames.shape}, not frames [T, H, W, 3]")
+    return frames[..., :3], "video", fps
+
+
+def vae_input(frames: np.ndarray, *, temporal: int, spatial: int) -> torch.Tensor:
+    """float [1, 3, T', H', W'] in [-1, 1]: the first 1 + k*temporal frames (the Wan VAE's
+    causal layout) and a centre crop to multiples of 2*spatial (even latent sides, so a patch
+    of 2 tiles them). Raises ValueError when the frame is smaller than one crop unit."""
+    t = 1 + (len(frames) - 1) // temporal * temporal
+    unit = 2 * spatial
+    h, w = frames.shape[1] // unit * unit, frames.shape[2] // unit * unit
+    if h == 0 or w == 0:
+        raise ValueError(f"frames of {frames.shape[1]}x{frames.shape[2]} are smaller than {unit}x{unit}")
+    top, left = (frames.shape[1] - h) // 2, (frames.shape[2] - w) // 2
+    clip = torch.from_numpy(np.ascontiguousarray(frames[:t, top:top + h, left:left + w]))
+    return (clip.permute(3, 0, 1, 2).float() / 127.5 - 1.0)[None]
+
+
+class MediaEncoder:
+    """The VAE and the text encoder, loaded once per process from local directories."""
+
+    def __init__(self, vae_dir, text_encoder_dir, *, skip_layer: int = 0, max_text_tokens: int = 512,
+                 device="cpu"):
+        try:
+            from diffusers import AutoencoderKLWan
+        except ImportError as error:
+            raise EncodeError("encoding needs diffusers: pip install 'relay[encode]'") from error
+        from trainer.text_encoder import TransformersTextEncoder
+
+        try:
+            self.vae = AutoencoderKLWan.from_pretrained(str(vae_dir), local_files_only=True)
+            self.text = TransformersTextEncoder(text_encoder_dir, max_tokens=max_text_tokens,
+                                                skip_layer=skip_layer, device=device)
+        except (OSError, ValueError, ImportError) as error:
+            raise EncodeError(f"cannot load the encoders: {error}") from None
+        self.vae = self.vae.to(device).eval().requires_grad_(False)
+        self.device = torch.device(device)
+        cfg = self.vae.config
+        self.temporal, self.spatial = int(cfg.scale_factor_temporal), int(cfg.scale_factor_spatial)
+        if len(cfg.latents_mean) != cfg.z_dim or len(cfg.latents_std) != cfg.z_dim:
+            raise EncodeError(f"{vae_dir}: latents_mean/std hold {len(cfg.latents_mean)} values "
+                              f"for z_dim {cfg.z_dim}")
+        shape = (1, cfg.z_dim, 1, 1, 1)
+        self.mean = torch.tensor(cfg.latents_mean).reshape(shape)
+        self.std = torch.tensor(cfg.latents_std).reshape(shape)
+
+    @torch.no_grad()
+    def latent(self, frames: np.ndarray) -> torch.Tensor:
+        """Normalised latent float32 [C, T, H, W]: the posterior mean (deterministic), then
+        (z - latents_mean) / latents_std as Wan's pipelines expect."""
+        x = vae_input(frames, temporal=self.temporal, spatial=self.spatial).to(self.device)
+        z = self.vae.encode(x).latent_dist.mean.float().cpu()
+        return ((z - self.mean) / self.std)[0]
+
+    def caption(self, caption: str) -> torch.Tensor:
+        """The caption's real tokens' embeddings, float32 [L, D]."""
+        hidden, mask = self.text.encode([caption])
+        return hidden[0, mask[0]]
+
+
+def _row(number: int, entry: dict, encoder: MediaEncoder) -> dict:
+    frames, media, fps = load_media(entry["path"])
+    latent = encoder.latent(frames).contiguous()
+    text = encoder.caption(entry["caption"]).contiguous()
+    first = latent[:, :1].contiguous()  # the causal VAE's first latent frame is frame 0 alone
+    return {"id": f"sample-{number:08d}", "vae_latent_bytes": latent.numpy().tobytes(),
+            "vae_latent_shape": list(latent.shape), "vae_latent_dtype": "float32",
+            "text_embedding_bytes": text.numpy().tobytes(), "text_embedding_shape": list(text.shape),
+            "text_embedding_dtype": "float32", "first_frame_latent_bytes": first.numpy().tobytes(),
+            "first_frame_latent_shape": list(first.shape), "first_frame_latent_dtype": "float32",
+            "file_name": entry["path"], "caption": entry["caption"], "media_type": media,
+            "width": int(frames.shape[2]), "height": int(frames.shape[1]),
+            "num_frames": len(frames), "fps": fps,
+            "duration_sec": len(frames) / fps if fps else 0.0}
+
+
+def _part_name(rank: int, part: int) -> str:
+    return f"part-r{rank:03d}-{part:05d}"
+
+
+def _env_rank(rank, world_size) -> tuple[int, int]:
+    # One process per GPU under torchrun or srun: the launcher's variables give the share.
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) if rank is None else rank
+    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))) if world_size is None else world_size
+    if not 0 <= rank < world:
+        raise EncodeError(f"rank {rank} is outside a world of {world}")
+    return rank, world
+
+
+def encode_manifest(manifest, *, vae_dir, text_encoder_dir, out_dir, rank: int | None = None,
+                    world_size: int | None = None, skip_layer: int = 0, rows_per_shard: int = 64,
+                    device="cpu", max_text_tokens: int = 512, progress: bool = True) -> dict:
+    """Encode this process's share of the manifest into out_dir; returns {"encoded",
+    "skipped" (rows of parts already published), "bad": [{"path", "reason"}], "out"}.
+
+    Raises EncodeError before any work when the manifest or the encoders cannot be loaded, or
+    when out_dir holds parts written with another world size or part size.
+    """
+    rank, world = _env_rank(rank, world_size)
+    entries = read_manifest(manifest)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    split = {"world_size": world, "rows_per_shard": int(rows_per_shard), "entries": len(entries)}
+    mine = [(n, e) for n, e in enumerate(entries) if n % world == rank]
+    parts = [mine[i:i + rows_per_shard] for i in range(0, len(mine), rows_per_shard)]
+    todo = []
+    summary = {"encoded": 0, "skipped": 0, "bad": [], "out": str(out)}
+    for part, rows in enumerate(parts):
+        record = out / f"{_part_name(rank, part)}.json"
+        if record.is_file():
+            done = json.loads(record.read_text())
+            if done["split"] != split:
+                raise EncodeError(f"{out} holds parts written with {done['split']}, this run "
+                                  f"asks for {split}: use another --out or the same split")
+            summary["skipped"] += done["rows"]
+            summary["bad"] += done["bad"]
+        else:
+            todo.append((part, rows))
+    if not todo:
+        return summary
+    encoder = MediaEncoder(vae_dir, text_encoder_dir, skip_layer=skip_layer,
+                           max_text_tokens=max_text_tokens, device=device)
+    bar = _progress(sum(len(r) for _, r in todo), progress)
+    for part, rows in todo:
+        encoded, bad = [], []
+        for number, entry in rows:
+            try:
+                encoded.append(_row(number, entry, encoder))
+            except (OSError, ValueError, RuntimeError) as error:
+                bad.append({"path": entry["path"], "reason": str(error).splitlines()[0][:300]})
+            bar.update(1)
+        name = _part_name(rank, part)
+        if encoded:
+            tmp = out / f"{name}.parquet.tmp"
+            pq.write_table(pa.Table.from_pylist(encoded), tmp)
+            os.replace(tmp, out / f"{name}.parquet")
+        write_json(out / f"{name}.json", {"rows": len(encoded), "bad": bad, "split": split})
+        summary["encoded"] += len(encoded)
+        summary["bad"] += bad
+    bar.close()
+    return summary
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="encode", unit="file", file=sys.stderr, disable=not enabled)

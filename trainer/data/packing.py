@@ -1,0 +1,85 @@
+"""A pack's samples laid out as one sequence: boundaries for attention, RoPE, modulation, loss.
+
+A pack (trainer.data.loader.collate_pack) holds samples of different shapes. The model runs
+them as one batch row: the captions one after another in the text stream, the video tokens one
+after another in the video stream. `PackLayout` says where each sample's tokens sit; from it
+come the block-diagonal masks (a sample attends only to its own caption and video), each
+sample's RoPE grid (starting at frame 0, as if alone), the conditioning slot of every token
+(its own sample's time), and cu_seqlens for varlen kernels. VideoDiT.forward_packed uses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PackLayout:
+    """grids: each sample's patch grid (frames, rows, cols); text_lens: its caption tokens."""
+
+    grids: tuple[tuple[int, int, int], ...]
+    text_lens: tuple[int, ...]
+
+    @property
+    def video_lens(self) -> list[int]:
+        return [f * r * c for f, r, c in self.grids]
+
+    def _ids(self, lengths: list[int], device) -> torch.Tensor:
+        return torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                       torch.tensor(lengths, device=device))
+
+    def video_ids(self, device=None) -> torch.Tensor:
+        """Which sample each video token belongs to: long [sum of video tokens]."""
+        return self._ids(self.video_lens, device)
+
+    def text_ids(self, device=None) -> torch.Tensor:
+        """Which sample each caption token belongs to: long [sum of caption tokens]."""
+        return self._ids(list(self.text_lens), device)
+
+    def positions(self, device=None) -> torch.Tensor:
+        """(frame, row, col) of every video token, each sample's grid from 0: long [N, 3]."""
+        grids = [torch.stack(torch.meshgrid(*(torch.arange(n, device=device) for n in g),
+                                            indexing="ij"), dim=-1).reshape(-1, 3)
+                 for g in self.grids]
+        return torch.cat(grids)
+
+    def text_mask(self, text_masks: list[torch.Tensor]) -> torch.Tensor:
+        """Text-to-text attention, bool [1, 1, L, L]: own sample's real tokens (and itself, so
+        a padded query never has an empty row)."""
+        ids = self.text_ids(text_masks[0].device)
+        real = torch.cat(text_masks)
+        eye = torch.eye(len(ids), dtype=torch.bool, device=ids.device)
+        return ((ids[:, None] == ids[None, :]) & real[None, :] | eye)[None, None]
+
+    def video_mask(self, text_masks: list[torch.Tensor]) -> torch.Tensor:
+        """Video queries over keys [all captions | all video], bool [1, 1, N, L + N]: a token
+        sees its own sample's real caption tokens and its own sample's video."""
+        device = text_masks[0].device
+        vid, txt = self.video_ids(device), self.text_ids(device)
+        to_text = (vid[:, None] == txt[None, :]) & torch.cat(text_masks)[None, :]
+        to_video = vid[:, None] == vid[None, :]
+        return torch.cat([to_text, to_video], dim=1)[None, None]
+
+    def cu_seqlens(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """int32 offsets for varlen kernels: video queries, and keys when each sample's keys
+        are laid out [its caption | its video]."""
+        video = torch.tensor([0, *self.video_lens], device=device).cumsum(0)
+        joint = torch.tensor([0, *(t + v for t, v in zip(self.text_lens, self.video_lens))],
+                             device=device).cumsum(0)
+        return video.to(torch.int32), joint.to(torch.int32)
+
+
+def pack_layout(latents: list[torch.Tensor], texts: list[torch.Tensor], patch_size) -> PackLayout:
+    """The layout of samples latents [C, T, H, W] (each) with captions [L, D] (each).
+
+    Raises ValueError when a side is not a multiple of the patch size.
+    """
+    grids = []
+    for latent in latents:
+        sizes = latent.shape[1:]
+        if any(s % p for s, p in zip(sizes, patch_size)):
+            raise ValueError(f"latent {list(latent.shape)} is not a multiple of the patch size {list(patch_size)}")
+        grids.append(tuple(s // p for s, p in zip(sizes, patch_size)))
+    return PackLayout(tuple(grids), tuple(int(t.shape[0]) for t in texts))
