@@ -19,9 +19,9 @@ if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
   "${pip[@]}" install "$torch_spec"
 fi
 stamp="$venv/.relay-installed"
-if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ] || [ "$0" -nt "$stamp" ]; then
   echo "[setup] installing relay and its dependencies"
-  "${pip[@]}" install -e "$root[dev]"
+  "${pip[@]}" install -e "$root[dev,encode]"
   touch "$stamp"
 fi
 echo "[setup] ready: $venv ($("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
