@@ -8,13 +8,10 @@ trainer.stage_checks and are called from here only.
 
 from __future__ import annotations
 
-<<<<<<< HEAD
+import json
 import os
 import re
 import tempfile
-=======
-import json
->>>>>>> data
 import warnings
 from pathlib import Path
 
@@ -94,14 +91,11 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
                "`synthetic_data: true` needs `data_path` to be one directory, not a mapping.")
         for directory, repeat in args.data_path.items():
             _check(repeat >= 1, f"data_path: repeat count of {directory} must be >= 1, got {repeat}.")
-<<<<<<< HEAD
     _check(args.legacy_eager_mode,
            "`legacy_eager_mode: false` asks for the seed trainer's CUDA-graph mode, which relay does "
            "not have: relay runs eager PyTorch (with torch.compile per block when "
            "compile_transformer is set). Set legacy_eager_mode: true or remove the key.")
-=======
     _validate_data_keys(args)
->>>>>>> data
     if check_paths:
         _validate_placeholders(args)
         _validate_paths(args)
