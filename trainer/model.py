@@ -564,8 +564,16 @@ class VideoDiT(nn.Module):
             used += cond.shape[1]
         vid = torch.cat([self._patchify(x[None]) for x in xs], dim=1)
         text = self.text_embedder(torch.cat(texts)[None])
-        out, _ = self._run(vid, torch.cat(conds, dim=1), torch.cat(slots), layout.positions(vid.device),
-                           layout.video_mask(text_masks), text=(text, layout.text_mask(text_masks)))
+        # Video keys come first in the blocks ([own video | caption]); the layout's mask has the
+        # captions first, so its columns are turned around. Dense block-diagonal masks: SDPA.
+        captions = text.shape[1]
+        joint = layout.video_mask(text_masks)
+        video_plan = AttentionPlan("sdpa", None, torch.cat([joint[..., captions:],
+                                                            joint[..., :captions]], dim=-1))
+        text_plan = AttentionPlan("sdpa", None, layout.text_mask(text_masks))
+        # One modulation slot per token (runs of one token): samples' token counts differ.
+        out, _ = self._run(vid, torch.cat(conds, dim=1), torch.cat(slots),
+                           layout.positions(vid.device), video_plan, text=(text, text_plan))
         pieces = out.split(layout.video_lens, dim=1)
         return [self._unpatchify(p, *x.shape[1:])[0] for p, x in zip(pieces, xs)]
 
