@@ -38,7 +38,9 @@ from trainer.checkpoint_layout import (
     RESOLVED_CONFIG_FILE,
     CheckpointError,
     list_checkpoints,
+    member_checksums,
     read_complete,
+    recorded_checksums,
     validate_checkpoint,
 )
 from trainer.dcp_io import (
@@ -163,10 +165,17 @@ def _read_plain_file(source: WeightsSource) -> dict[str, torch.Tensor]:
 
 
 def read_weights(source: WeightsSource) -> dict[str, torch.Tensor]:
-    """Return the full weights of `source` as a plain CPU state dict (reads every shard)."""
+    """Return the full weights of `source` as a plain CPU state dict (reads every shard).
+
+    A checkpoint member's files are verified against the checksums in its COMPLETE.
+    """
     if source.kind == "dcp":
+        recorded = None
+        if source.checkpoint is not None:
+            recorded = recorded_checksums(read_complete(source.checkpoint), source.checkpoint)
         try:
-            return read_dcp_state_dict(source.path)
+            return read_dcp_state_dict(source.path,
+                                       checksums=member_checksums(recorded, source.path.name))
         except Exception as exc:
             raise CheckpointError(f"could not read DCP weights from {source.path}: {exc}") from exc
     return _read_plain_file(source)
