@@ -13,7 +13,11 @@ What it measures, all in one run and on one directory (so on one disk):
    fsynced and published (COMPLETE, rename). MB/s = bytes on disk / seconds.
 3. load: `trainer.checkpoint.load_checkpoint` of that checkpoint into a fresh model and
    optimizer, cold (its files dropped from the page cache first) and warm.
-4. blocking: `CheckpointManager` timings. Sync: `blocked_s` is the whole save. Async:
+4. checksums: the same save with hashing replaced by a no-op, and the same cold load of a
+   checkpoint whose COMPLETE records no checksums (so nothing is verified), each right next
+   to its counterpart; the cost is the median over repeats of the ratio of each pair. Also
+   xxh3 alone over the checkpoint's bytes in memory.
+5. blocking: `CheckpointManager` timings. Sync: `blocked_s` is the whole save. Async:
    `blocked_s` is the copy to host memory (the second save of a manager: the first also
    allocates the staging buffers); training steps then run while the background thread
    writes, and their step time is compared with steps run without a save in flight.
@@ -27,6 +31,7 @@ warm reads come out alike, the kernel kept the pages (or the disk is as fast as 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -44,7 +49,9 @@ if __package__ in (None, ""):
 import torch
 from torch import nn
 
+from trainer import checksums
 from trainer.checkpoint import (
+    COMPLETE_FILE,
     CheckpointManager,
     load_checkpoint,
     model_state,
@@ -127,6 +134,65 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+class _NoHash:
+    """Stands in for a hasher when measuring what checksums cost."""
+
+    def update(self, data) -> None:
+        pass
+
+    def hexdigest(self) -> str:
+        return "0" * 16
+
+
+@contextlib.contextmanager
+def hashing_off():
+    """Saves inside this block take no checksums (they record zeros: never load them)."""
+    saved = checksums.new_hasher
+    checksums.new_hasher = _NoHash
+    try:
+        yield
+    finally:
+        checksums.new_hasher = saved
+
+
+@contextlib.contextmanager
+def unrecorded_checksums(path: Path):
+    """The checkpoint at `path` as an older relay wrote it: COMPLETE without checksums."""
+    marker = path / COMPLETE_FILE
+    original = marker.read_text()
+    info = json.loads(original)
+    del info["checksum"], info["checksums"]
+    marker.write_text(json.dumps(info))
+    try:
+        yield
+    finally:
+        marker.write_text(original)
+
+
+def hash_seconds(path: Path) -> float:
+    """xxh3 over every byte of the checkpoint at `path`, held in memory (no I/O timed)."""
+    data = [p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()]
+    start = time.perf_counter()
+    for blob in data:
+        checksums.digest_bytes(blob)
+    return time.perf_counter() - start
+
+
+def timed_sync_save(directory: Path, model, optimizer) -> tuple[Path, float]:
+    with CheckpointManager(directory) as manager:
+        path = manager.save(1, members=members(model, optimizer), training_state={"step": 1},
+                            dataloader_state={})
+        return path, manager.timings[-1].total_s
+
+
+def timed_load(path: Path, model, optimizer, *, cold: bool) -> float:
+    if cold:
+        drop_cache(path)
+    start = time.perf_counter()
+    load_checkpoint(path, members(model, optimizer))
+    return time.perf_counter() - start
+
+
 def run(size_mb: float, work: Path, repeats: int, async_steps: int,
         baseline_steps: int = 5) -> dict:
     model, optimizer = build_state(size_mb)
@@ -143,6 +209,7 @@ def run(size_mb: float, work: Path, repeats: int, async_steps: int,
     # One repeat measures everything once, so load from other processes spreads evenly.
     raw = {"write_s": [], "read_cold_s": [], "read_warm_s": []}
     save = {"save_s": [], "load_cold_s": [], "load_warm_s": []}
+    check = {"save_without_s": [], "load_cold_without_s": [], "hash_in_memory_s": []}
     blocking = {"sync_blocked_s": [], "async_blocked_s": [], "async_total_s": [],
                 "async_wait_at_end_s": [], "steps_during_async_save": [],
                 "step_s_during_async_save": [], "step_s_without_save": []}
@@ -157,21 +224,29 @@ def run(size_mb: float, work: Path, repeats: int, async_steps: int,
         file.unlink()
 
         # Sync: the whole save (write, fsync, COMPLETE, rename) blocks the training thread.
-        with CheckpointManager(work / f"sync-{i}") as manager:
-            path = manager.save(1, members=members(model, optimizer),
-                                training_state={"step": 1}, dataloader_state={})
-            timing = manager.timings[-1]
-        save["save_s"].append(timing.total_s)
-        blocking["sync_blocked_s"].append(timing.blocked_s)
-        drop_cache(path)
-        for key in ("load_cold_s", "load_warm_s"):
-            start = time.perf_counter()
-            load_checkpoint(path, members(fresh_model, fresh_optimizer))
-            save[key].append(time.perf_counter() - start)
+        # With and without checksums, in turn first, so that drift hits both alike.
+        for with_checksums in (i % 2 == 0, i % 2 != 0):
+            directory = work / f"sync-{i}-{'with' if with_checksums else 'without'}"
+            with contextlib.nullcontext() if with_checksums else hashing_off():
+                path, seconds = timed_sync_save(directory, model, optimizer)
+            if with_checksums:
+                kept = path
+                save["save_s"].append(seconds)
+                blocking["sync_blocked_s"].append(seconds)
+            else:
+                check["save_without_s"].append(seconds)
+                shutil.rmtree(directory)
+        path = kept
+        for with_checksums in (i % 2 == 0, i % 2 != 0):
+            with contextlib.nullcontext() if with_checksums else unrecorded_checksums(path):
+                seconds = timed_load(path, fresh_model, fresh_optimizer, cold=True)
+            (save["load_cold_s"] if with_checksums else check["load_cold_without_s"]).append(seconds)
+        save["load_warm_s"].append(timed_load(path, fresh_model, fresh_optimizer, cold=False))
+        check["hash_in_memory_s"].append(hash_seconds(path))
         # The load really restored what was saved (the model has not stepped since).
         assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                      fresh_model.state_dict().values()))
-        shutil.rmtree(work / f"sync-{i}")
+        shutil.rmtree(path.parent)
 
         # Async: blocked while staging to host memory; steps overlap the background write.
         baseline = []
@@ -209,8 +284,12 @@ def run(size_mb: float, work: Path, repeats: int, async_steps: int,
 
     results["raw"] = raw
     results["checkpoint"] = save
+    results["checksums"] = check
     results["blocking"] = blocking
     mb = ckpt_bytes / MB
+
+    def pair_cost(with_s: list[float], without_s: list[float]) -> float:
+        return median([a / b for a, b in zip(with_s, without_s)]) - 1
     results["summary"] = {
         "checkpoint_mb": mb,
         "disk_write_mb_s": mb / median(raw["write_s"]),
@@ -219,6 +298,11 @@ def run(size_mb: float, work: Path, repeats: int, async_steps: int,
         "save_mb_s": mb / median(save["save_s"]),
         "load_cold_mb_s": mb / median(save["load_cold_s"]),
         "load_warm_mb_s": mb / median(save["load_warm_s"]),
+        "checksum_cost_save": pair_cost(save["save_s"], check["save_without_s"]),
+        "checksum_cost_load_cold": pair_cost(save["load_cold_s"], check["load_cold_without_s"]),
+        "save_without_checksums_mb_s": mb / median(check["save_without_s"]),
+        "load_cold_without_checksums_mb_s": mb / median(check["load_cold_without_s"]),
+        "hash_in_memory_mb_s": mb / median(check["hash_in_memory_s"]),
         "sync_blocked_s": median(blocking["sync_blocked_s"]),
         "async_blocked_s": median(blocking["async_blocked_s"]),
         "async_total_s": median(blocking["async_total_s"]),
@@ -262,6 +346,11 @@ def print_table(summary: dict) -> None:
                                    f"{s['save_mb_s'] / s['disk_write_mb_s']:.0%} of disk write"),
         ("load, cold / warm", f"{s['load_cold_mb_s']:.0f} / {s['load_warm_mb_s']:.0f} MB/s = "
                               f"{s['load_cold_mb_s'] / s['disk_read_cold_mb_s']:.0%} of cold read"),
+        ("checksums: save / cold load", f"{s['checksum_cost_save']:+.1%} / "
+                                        f"{s['checksum_cost_load_cold']:+.1%} time (without: "
+                                        f"{s['save_without_checksums_mb_s']:.0f} / "
+                                        f"{s['load_cold_without_checksums_mb_s']:.0f} MB/s)"),
+        ("xxh3 alone, in memory", f"{s['hash_in_memory_mb_s']:.0f} MB/s"),
         ("training blocked, sync save", f"{s['sync_blocked_s']:.2f} s"),
         ("training blocked, async save", f"{s['async_blocked_s']:.2f} s (write in background: "
                                          f"{s['async_total_s']:.2f} s in all)"),

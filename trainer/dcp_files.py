@@ -177,11 +177,15 @@ class _HashingReader:
     def readinto_exact(self, view: memoryview) -> None:
         done = 0
         while done < len(view):
-            got = self._handle.readinto(view[done:])
-            if not got:
-                raise CheckpointError(f"{self._handle.name} ended early: truncated")
-            done += got
-        self._hash(view)
+            piece = view[done:done + checksums.PIECE]  # hashed while still in the cache
+            filled = 0
+            while filled < len(piece):
+                got = self._handle.readinto(piece[filled:])
+                if not got:
+                    raise CheckpointError(f"{self._handle.name} ended early: truncated")
+                filled += got
+            self._hash(piece)
+            done += filled
 
     def digest_if_whole(self, size: int) -> str | None:
         """The file's checksum if every byte was hashed in order, else None."""
