@@ -27,7 +27,7 @@ from trainer.checkpoint import (
     optimizer_state,
     save_checkpoint,
 )
-from trainer.dcp_io import load_dcp_in_place, read_dcp_state_dict, save_dcp
+from trainer.dcp_io import DCPError, load_dcp_in_place, read_dcp_state_dict, save_dcp
 
 
 @pytest.fixture(params=["default", "in_place"])
@@ -163,18 +163,21 @@ def test_in_place_reads_fill_every_dtype_and_strided_destination_exactly(tmp_pat
              "bf16": torch.zeros(64, 33, dtype=torch.bfloat16),
              "i64": torch.zeros(1000, dtype=torch.int64), "flag": torch.zeros(77, dtype=torch.bool),
              "scalar": torch.tensor(0.0), "nested": {"h": torch.zeros(5, 6).half()}}
-    verified = load_dcp_in_place(fresh, tmp_path / "m", checksums=digests)
-    assert verified == set(digests) == {".metadata", "__0_0.distcp"}
+    load_dcp_in_place(fresh, tmp_path / "m", checksums=digests)
     for key in ("f32", "bf16", "i64", "flag", "scalar"):
         assert torch.equal(fresh[key], saved[key]), key
     assert torch.equal(fresh["nested"]["h"], saved["nested"]["h"])
     assert all(torch.equal(read_dcp_state_dict(tmp_path / "m")[k], saved[k])
                for k in ("f32", "bf16", "i64"))
+    # The bytes read in place were hashed: a wrong record is noticed.
+    wrong = {**digests, "__0_0.distcp": "0" * 16}
+    with pytest.raises(DCPError, match="__0_0.distcp: checksum mismatch"):
+        load_dcp_in_place(fresh, tmp_path / "m", checksums=wrong)
 
 
-def test_a_warm_start_from_a_checkpoint_with_flipped_bytes_fails_naming_the_file(tmp_path,
-                                                                                read_mode):
-    from trainer.warm_start import read_weights, resolve_weights_source
+def test_a_warm_start_or_export_from_a_checkpoint_with_flipped_bytes_fails_naming_the_file(
+        tmp_path, read_mode):
+    from trainer.warm_start import load_warm_start, read_weights, resolve_weights_source
 
     run = Run(0)
     path = run.save(tmp_path, 1)
@@ -183,3 +186,6 @@ def test_a_warm_start_from_a_checkpoint_with_flipped_bytes_fails_naming_the_file
     _flip_8_bytes_in_the_middle(path / "transformer" / "__0_0.distcp")
     with pytest.raises(CheckpointError, match="__0_0.distcp: checksum mismatch"):
         read_weights(resolve_weights_source(path, weights="live"))
+    with pytest.raises(CheckpointError, match="__0_0.distcp: checksum mismatch"):
+        load_warm_start(path, Run(5).model, weights="live")
+    assert not (tmp_path / "checkpoint-1.bad").exists()  # someone else's: reported, kept

@@ -693,19 +693,16 @@ def load_checkpoint(
 
     # Every rank checks, then all agree, so that no rank enters DCP's collectives alone.
     _raise_if_any_rank_failed(_attempt(check), process_group)
-    verified: set[str] = set()
     for name, (state, finishers) in expanded.items():
-        # DCP agrees on errors itself; a checksum mismatch is one of them.
-        read_whole = load_dcp_in_place(state, path / name, process_group=process_group,
-                                       checksums=member_checksums(recorded, name))
-        verified.update(f"{name}/{file}" for file in read_whole)
+        # All ranks agree on errors, a checksum mismatch included.
+        load_dcp_in_place(state, path / name, process_group=process_group,
+                          checksums=member_checksums(recorded, name))
 
         def finish(finishers=finishers) -> None:
             for apply in finishers:
                 apply()
 
         _raise_if_any_rank_failed(_attempt(finish), process_group)
-    _verify_files_read_in_part(path, recorded, list(expanded), verified, process_group)
 
     # Rank-local reads last: no collective follows, so a failure here cannot strand other ranks.
     state_file = path / TRAINING_STATE_FILE
@@ -745,23 +742,6 @@ def _recorded_or_note(path: Path, info: dict[str, Any],
         log.warning("%s records no checksums (saved by an older relay): its files are checked "
                     "by size only", path.name)
     return recorded_checksums(info, path) or {}
-
-
-def _verify_files_read_in_part(path: Path, recorded: dict[str, str], member_names: list[str],
-                               verified: set[str], group: dist.ProcessGroup | None) -> None:
-    """Hash from disk every shard of the loaded members that no rank read whole.
-
-    A resharded load reads parts of files, which cannot be hashed on the way; the ranks share
-    those files out. Collective; raises on every rank if any file does not match.
-    """
-    if not recorded:
-        return
-    read_whole = set().union(*_all_gather(sorted(verified), group))
-    left = sorted(rel for rel in recorded if rel.split("/", 1)[0] in member_names
-                  and not rel.endswith(f"/{METADATA_FILE}") and rel not in read_whole)
-    world = dist.get_world_size(group) if distributed_active() else 1
-    mine = left[_rank(group)::world]
-    _raise_if_any_rank_failed(_attempt(lambda: verify_files(path, recorded, mine)), group)
 
 
 def _check_compatible(path: Path, info: dict[str, Any], members: Mapping[str, Any], dp_world: int,

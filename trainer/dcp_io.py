@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from trainer.checkpoint_layout import verify_bytes
+from trainer.checkpoint_layout import CheckpointError, verify_bytes
 from trainer.dcp_files import DirectFileSystemReader, HashingFileSystemWriter
 
 METADATA_FILE = ".metadata"
@@ -192,14 +192,18 @@ def load_dcp_in_place(
     *,
     checksums: Mapping[str, str] | None = None,
     process_group: dist.ProcessGroup | None = None,
-) -> set[str]:
+) -> None:
     """Fill `state_dict` (tensors, DTensors and nested dicts/lists) in place from a DCP directory.
 
-    `checksums` ({file name: checksum}) are verified for every file this rank reads whole;
-    returns the names of those files. A collective when a process group is initialised: every
-    rank of `process_group` must call it. Raises DCPError on every rank for a missing key, a
-    shape mismatch, an unreadable shard or a checksum mismatch on any rank.
+    `checksums` ({file name: checksum}, from the checkpoint's COMPLETE) are verified for every
+    file they name: each rank hashes the files it reads whole as it reads them, and the files
+    no rank read whole are hashed from disk afterwards, shared out among the ranks. A
+    collective when a process group is initialised: every rank of `process_group` must call
+    it. Raises DCPError on every rank for a missing key, a shape mismatch, an unreadable shard
+    or a checksum mismatch while reading on any rank, and CheckpointError on every rank for a
+    mismatch found afterwards.
     """
+    checksums = dict(checksums or {})
     reader = SafeFileSystemReader(str(dcp_dir), checksums=checksums)
     with _dcp_errors("loading", dcp_dir):
         dcp.load(
@@ -209,18 +213,48 @@ def load_dcp_in_place(
             process_group=process_group,
             no_dist=not distributed_active(),
         )
-    return reader.verified
+    if checksums:
+        _verify_files_read_in_part(Path(dcp_dir), checksums, reader.verified, process_group)
+
+
+def _verify_files_read_in_part(dcp_dir: Path, checksums: dict[str, str], verified: set[str],
+                               group: dist.ProcessGroup | None) -> None:
+    """Hash from disk the files of `checksums` that no rank verified while reading.
+
+    A load onto another number of ranks reads parts of files, which cannot be hashed on the
+    way. Collective; raises CheckpointError on every rank if any file does not match.
+    """
+    rank, world, read_whole = 0, 1, set(verified)
+    if distributed_active():
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, sorted(verified), group=group)
+        read_whole = {name for names in everyone for name in names}
+    left = sorted(name for name in checksums if name not in read_whole and name != METADATA_FILE)
+    error = None
+    try:
+        for name in left[rank::world]:
+            verify_bytes(dcp_dir / name, None, checksums[name])
+    except CheckpointError as exc:
+        error = str(exc)
+    errors = [error]
+    if distributed_active():
+        errors = [None] * world
+        dist.all_gather_object(errors, error, group=group)
+    found = [f"rank {i}: {e}" for i, e in enumerate(errors) if e]
+    if found:
+        raise CheckpointError("; ".join(found))
 
 
 def read_dcp_state_dict(dcp_dir: str | os.PathLike,
                         checksums: Mapping[str, str] | None = None) -> dict[str, torch.Tensor]:
     """Read every tensor of a DCP directory into one plain, full, CPU state dict.
 
-    For export, warm starts and offline inspection: this process reads all shards, whatever
-    the number of ranks that wrote them, and needs no process group. Non-tensor entries are
-    skipped: a model's state dict has none. `checksums` ({file name: checksum}, from the
-    checkpoint's COMPLETE) are verified for every file. Raises DCPError for an unreadable
-    shard, and CheckpointError (or DCPError) for a checksum mismatch.
+    For export and offline inspection: this process reads all shards, whatever the number of
+    ranks that wrote them, and needs no process group. Non-tensor entries are skipped: a
+    model's state dict has none. `checksums` ({file name: checksum}, from the checkpoint's
+    COMPLETE) are verified for every file. Raises DCPError for an unreadable shard, and
+    CheckpointError (or DCPError) for a checksum mismatch.
     """
     checksums = dict(checksums or {})
     verify_bytes(Path(dcp_dir) / METADATA_FILE, None, checksums.get(METADATA_FILE))
@@ -229,8 +263,8 @@ def read_dcp_state_dict(dcp_dir: str | os.PathLike,
     reader = SafeFileSystemReader(str(dcp_dir), checksums=checksums)
     with _dcp_errors("reading", dcp_dir):
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
-    for name in sorted(set(checksums) - reader.verified - {METADATA_FILE}):
-        verify_bytes(Path(dcp_dir) / name, None, checksums[name])  # read only in part above
+    if checksums:
+        _verify_files_read_in_part(Path(dcp_dir), checksums, reader.verified, None)
     return state
 
 
