@@ -15,8 +15,8 @@ zip record. torch.load never checks that CRC, and it cost a quarter of a save's 
   another device, or one that is not contiguous, it reads into one reused host buffer.
 - Verification. It reads each file's items in offset order and hashes every byte on the
   way, so a file read whole is verified without a second read. A checksum that does not
-  match raises CheckpointError. Files a rank reads only in part (a resharded load) are
-  listed as unverified; trainer.checkpoint verifies those from disk.
+  match raises CheckpointError. Files a rank reads only in part (a resharded load) are left
+  out of `verified`; trainer.dcp_io hashes those from disk after the load.
 
 Anything unusual (a narrowed read, a transform, another dtype, a big-endian record) takes
 DCP's own path, torch.load of the record, and is hashed all the same.
@@ -40,8 +40,8 @@ from trainer import checksums
 from trainer.checkpoint_layout import CheckpointError, checksum_mismatch
 from trainer.torch_record import locate_tensor_bytes
 
-# Below this a record is read whole and torch.loaded: parsing its zip costs more than the
-# copy that reading in place would save.
+# Below this a record is read whole and torch.loaded: the page faults that reading in place
+# saves are few, and one read beats three.
 DIRECT_READ_MIN_BYTES = 1 << 20
 # A tensor record's zip entries before its bytes take a few hundred bytes: one page holds them.
 _HEAD_BYTES = 4096
