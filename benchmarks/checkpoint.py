@@ -2,6 +2,7 @@
 
     python benchmarks/checkpoint.py [--size-mb 300] [--dir /path/on/the/checkpoint/disk]
                                     [--repeats 3] [--json benchmarks/results/checkpoint.json]
+    python benchmarks/checkpoint.py --profile 15     # where one save and one cold load spend time
 
 What it measures, all in one run and on one directory (so on one disk):
 
@@ -385,6 +386,29 @@ def print_table(summary: dict) -> None:
         print(f"{name:<{width}}  {value}")
 
 
+def profile(size_mb: float, work: Path, top: int) -> None:
+    """Print the `top` functions by own time of one sync save and one cold load (cProfile)."""
+    import cProfile
+    import pstats
+
+    model, optimizer = build_state(size_mb)
+    fresh_model, fresh_optimizer = build_state(size_mb, seed=1)
+    timed_sync_save(work / "warmup", model, optimizer)  # imports and planners, untimed
+    for what in ("save", "load"):
+        settle()
+        profiler = cProfile.Profile()
+        if what == "save":
+            profiler.enable()
+            path, _ = timed_sync_save(work / "profiled", model, optimizer)
+        else:
+            drop_cache(path)
+            profiler.enable()
+            load_checkpoint(path, members(fresh_model, fresh_optimizer))
+        profiler.disable()
+        print(f"== one {what} of {dir_bytes(path) / MB:.0f} MB, by own time")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=float, default=300.0,
@@ -395,10 +419,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--async-steps", type=int, default=50,
                         help="at most this many training steps overlap an async save")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--profile", type=int, default=0, metavar="TOP",
+                        help="instead: profile one save and one cold load, print the TOP functions")
     ns = parser.parse_args(argv)
     base = ns.dir or Path(tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="relay-ckpt-bench-", dir=base))
+    if ns.profile:
+        try:
+            profile(ns.size_mb, work, ns.profile)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return 0
     try:
         env = environment()
         started = time.time()
