@@ -66,26 +66,31 @@ CHUNK = 16 << 20
 MB = 1e6
 
 
+DEVICE = torch.device("cpu")  # --device: where the model and optimizer state live
+
+
 def build_state(size_mb: float, width: int = 2048, seed: int = 0):
-    """A stack of width x width linear layers and an AdamW that has stepped once.
+    """A stack of width x width linear layers and an AdamW that has stepped once, on DEVICE.
 
     Weights are 1/3 of the bytes, AdamW's exp_avg and exp_avg_sq the other 2/3.
     """
     per_layer = (width * width + width) * 4 * 3
     layers = max(1, round(size_mb * MB / per_layer))
     torch.manual_seed(seed)
-    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(DEVICE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     train_step(model, optimizer)
     return model, optimizer
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: int = 16) -> None:
-    x = torch.randn(batch, model[0].in_features)
+    x = torch.randn(batch, model[0].in_features, device=DEVICE)
     loss = model(x).square().mean()
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()  # step times are wall times
 
 
 def members(model, optimizer) -> dict:
@@ -339,6 +344,7 @@ def run(size_mb: float, work: Path, repeats: int, async_steps: int,
 def environment() -> dict:
     return {
         "host": socket.gethostname(),
+        "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu",
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -419,9 +425,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--async-steps", type=int, default=50,
                         help="at most this many training steps overlap an async save")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--device", default="cpu",
+                        help="where the model and optimizer live: cpu (default) or cuda")
     parser.add_argument("--profile", type=int, default=0, metavar="TOP",
                         help="instead: profile one save and one cold load, print the TOP functions")
     ns = parser.parse_args(argv)
+    global DEVICE
+    DEVICE = torch.device(ns.device)
     base = ns.dir or Path(tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="relay-ckpt-bench-", dir=base))
@@ -441,8 +451,9 @@ def main(argv: list[str] | None = None) -> int:
         results["wall_s"] = time.time() - started
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"relay checkpoint benchmark: torch {env['torch']}, {env['cpus']} CPUs "
-          f"({env['cpu_model']}), {results['directory']}, median of {ns.repeats}")
+    print(f"relay checkpoint benchmark: torch {env['torch']}, state on {env['device']}, "
+          f"{env['cpus']} CPUs ({env['cpu_model']}), {results['directory']}, "
+          f"median of {ns.repeats}")
     print_table(results["summary"])
     if ns.json:
         ns.json.parent.mkdir(parents=True, exist_ok=True)

@@ -189,3 +189,27 @@ def test_a_warm_start_or_export_from_a_checkpoint_with_flipped_bytes_fails_namin
     with pytest.raises(CheckpointError, match="__0_0.distcp: checksum mismatch"):
         load_warm_start(path, Run(5).model, weights="live")
     assert not (tmp_path / "checkpoint-1.bad").exists()  # someone else's: reported, kept
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_model_on_the_gpu_resumes_exactly_and_its_bit_rot_is_caught(tmp_path, read_mode):
+    # GPU destinations are filled through the reused host buffer, then copied to the device.
+    def on_gpu(seed: int) -> Run:
+        run = Run(seed)
+        run.model.cuda()
+        run.optimizer = torch.optim.AdamW(run.model.parameters(), lr=1e-2)
+        run.model(torch.randn(5, 64, device="cuda")).square().mean().backward()
+        run.optimizer.step()
+        return run
+
+    run = on_gpu(0)
+    run.save(tmp_path, 1)
+    saved = run.weights()
+    fresh = on_gpu(7)
+    load_checkpoint(tmp_path / "checkpoint-1", fresh.members())
+    for key, value in fresh.weights().items():
+        assert value.is_cuda and torch.equal(value, saved[key]), key
+    _flip_8_bytes_in_the_middle(tmp_path / "checkpoint-1" / "optimizer" / "__0_0.distcp")
+    with pytest.raises(DCPError, match="__0_0.distcp: checksum mismatch"):
+        load_checkpoint(tmp_path / "checkpoint-1", fresh.members())
