@@ -8,7 +8,8 @@ What it measures, all in one run and on one directory (so on one disk):
 
 1. raw disk: write a file as large as the checkpoint in 16 MiB chunks and fsync it (write
    MB/s); drop that file's pages from the page cache (posix_fadvise DONTNEED) and read it back
-   (cold read MB/s), then read it again (warm read: page cache).
+   (cold read MB/s), then read it again (warm read: page cache). Measured before and after
+   each repeat's saves and loads; the mean of the two is that repeat's reference.
 2. save: `trainer.checkpoint.save_checkpoint` of a model + AdamW state of about --size-mb
    (weights are a third of it, the two moment tensors the rest), synchronous, everything
    fsynced and published (COMPLETE, rename). MB/s = bytes on disk / seconds.
@@ -25,7 +26,8 @@ What it measures, all in one run and on one directory (so on one disk):
 
 Each figure is the median over --repeats; a fraction of the disk's bandwidth (or a checksum
 cost) is the median of each repeat's own ratio, since the disk's speed drifts between repeats.
-A table goes to stdout, everything to --json.
+Before each timed step the disk is left to settle (sync, half a second). A table goes to
+stdout, everything to --json.
 Dropping a file's cached pages needs no privileges and touches no other file. If cold and
 warm reads come out alike, the kernel kept the pages (or the disk is as fast as memory): the
 "cold" figures are then page-cache figures.
@@ -150,6 +152,17 @@ def raw_read(path: Path) -> float:
     return time.perf_counter() - start
 
 
+def raw_disk(file: Path, size: int) -> tuple[float, float, float]:
+    """(write + fsync, cold read, warm read) seconds of one file of `size` bytes."""
+    settle()
+    write = raw_write(file, size)
+    drop_cache(file)
+    cold = raw_read(file)
+    warm = raw_read(file)
+    file.unlink()
+    return write, cold, warm
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 
@@ -228,22 +241,16 @@ def run(size_mb: float, work: Path, repeats: int, async_steps: int,
     results["checkpoint_bytes"] = ckpt_bytes
 
     # One repeat measures everything once, so load from other processes spreads evenly.
-    raw = {"write_s": [], "read_cold_s": [], "read_warm_s": []}
+    raw = {"write_s": [], "read_cold_s": [], "read_warm_s": [], "write_before_and_after_s": [],
+           "read_cold_before_and_after_s": [], "read_warm_before_and_after_s": []}
     save = {"save_s": [], "load_cold_s": [], "load_warm_s": []}
     check = {"save_without_s": [], "load_cold_without_s": [], "hash_in_memory_s": []}
     blocking = {"sync_blocked_s": [], "async_blocked_s": [], "async_total_s": [],
                 "async_wait_at_end_s": [], "steps_during_async_save": [],
                 "step_s_during_async_save": [], "step_s_without_save": []}
     fresh_model, fresh_optimizer = build_state(size_mb, seed=1)
-    dropped = False
     for i in range(repeats):
-        file = work / f"raw-{i}.bin"
-        settle()
-        raw["write_s"].append(raw_write(file, ckpt_bytes))
-        dropped = drop_cache(file)
-        raw["read_cold_s"].append(raw_read(file))
-        raw["read_warm_s"].append(raw_read(file))
-        file.unlink()
+        before = raw_disk(work / f"raw-{i}.bin", ckpt_bytes)
 
         # Sync: the whole save (write, fsync, COMPLETE, rename) blocks the training thread.
         # With and without checksums, in turn first, so that drift hits both alike.
@@ -270,6 +277,12 @@ def run(size_mb: float, work: Path, repeats: int, async_steps: int,
         assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                      fresh_model.state_dict().values()))
         shutil.rmtree(path.parent)
+        # The disk is measured before and after the saves and loads, and the mean is the
+        # reference: its speed drifts over seconds on a shared VM.
+        after = raw_disk(work / f"raw-{i}.bin", ckpt_bytes)
+        for key, first, second in zip(("write_s", "read_cold_s", "read_warm_s"), before, after):
+            raw[key].append((first + second) / 2)
+            raw[key.replace("_s", "_before_and_after_s")].append([first, second])
 
         # Async: blocked while staging to host memory; steps overlap the background write.
         baseline = []
@@ -304,7 +317,7 @@ def run(size_mb: float, work: Path, repeats: int, async_steps: int,
         blocking["step_s_during_async_save"].append(median(steps) if steps else float("nan"))
         shutil.rmtree(work / f"async-{i}")
         settle()
-    results["cache_drop"] = "posix_fadvise(DONTNEED)" if dropped else "unavailable"
+    results["cache_drop"] = "posix_fadvise(DONTNEED)" if hasattr(os, "posix_fadvise") else "unavailable"
 
     results["raw"] = raw
     results["checkpoint"] = save
