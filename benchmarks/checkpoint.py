@@ -6,9 +6,10 @@
 
 What it measures, all in one run and on one directory (so on one disk):
 
-1. raw disk: write a file as large as the checkpoint in 1 MiB chunks and fsync it (write
-   MB/s); drop that file's pages from the page cache (posix_fadvise DONTNEED) and read it back
-   (cold read MB/s), then read it again (warm read: page cache). Measured before and after
+1. raw disk: write a file as large as the checkpoint from a buffer as large, in 1 MiB calls,
+   and fsync it (write MB/s); drop that file's pages from the page cache (posix_fadvise
+   DONTNEED) and read it back into that buffer (cold read MB/s), then again (warm read: page
+   cache). Measured before and after
    each repeat's saves and loads; the mean of the two is that repeat's reference.
 2. save: `trainer.checkpoint.save_checkpoint` of a model + AdamW state of about --size-mb
    (weights are a third of it, the two moment tensors the rest), synchronous, everything
@@ -130,37 +131,38 @@ def settle() -> None:
     time.sleep(0.5)
 
 
-def raw_write(path: Path, size: int) -> float:
-    # A view, not a slice: slicing bytes copies them into fresh memory every chunk, and on
-    # this VM the page faults of that copy cost more than the disk (earlier figures had it).
-    block = memoryview(os.urandom(CHUNK))  # incompressible, like weights
+def raw_write(path: Path, data: memoryview) -> float:
+    """Seconds to write `data` to a new file in CHUNK calls and fsync it."""
     start = time.perf_counter()
-    with open(path, "wb") as handle:
-        left = size
-        while left > 0:
-            handle.write(block[: min(CHUNK, left)])
-            left -= CHUNK
-        handle.flush()
+    with open(path, "wb", buffering=0) as handle:
+        for offset in range(0, len(data), CHUNK):
+            handle.write(data[offset:offset + CHUNK])
         os.fsync(handle.fileno())
     return time.perf_counter() - start
 
 
-def raw_read(path: Path) -> float:
+def raw_read(path: Path, into: memoryview) -> float:
+    """Seconds to read the file at `path` into `into` (as large as the file) in CHUNK calls."""
     start = time.perf_counter()
     with open(path, "rb", buffering=0) as handle:
-        buffer = bytearray(CHUNK)
-        while handle.readinto(buffer):
-            pass
+        offset = 0
+        while got := handle.readinto(into[offset:offset + CHUNK]):
+            offset += got
     return time.perf_counter() - start
 
 
-def raw_disk(file: Path, size: int) -> tuple[float, float, float]:
-    """(write + fsync, cold read, warm read) seconds of one file of `size` bytes."""
+def raw_disk(file: Path, data: memoryview) -> tuple[float, float, float]:
+    """(write + fsync, cold read, warm read) seconds of a file holding `data`.
+
+    The bytes come from and go to a buffer as large as a checkpoint, as a save's and a load's
+    do: a small buffer reused for every call stays in the CPU cache and would make the disk
+    look faster than a checkpoint can ever use it.
+    """
     settle()
-    write = raw_write(file, size)
+    write = raw_write(file, data)
     drop_cache(file)
-    cold = raw_read(file)
-    warm = raw_read(file)
+    cold = raw_read(file, data)
+    warm = raw_read(file, data)
     file.unlink()
     return write, cold, warm
 
@@ -251,8 +253,9 @@ def run(size_mb: float, work: Path, repeats: int, async_steps: int,
                 "async_wait_at_end_s": [], "steps_during_async_save": [],
                 "step_s_during_async_save": [], "step_s_without_save": []}
     fresh_model, fresh_optimizer = build_state(size_mb, seed=1)
+    data = memoryview(bytearray(os.urandom(ckpt_bytes)))  # incompressible, like weights
     for i in range(repeats):
-        before = raw_disk(work / f"raw-{i}.bin", ckpt_bytes)
+        before = raw_disk(work / f"raw-{i}.bin", data)
 
         # Sync: the whole save (write, fsync, COMPLETE, rename) blocks the training thread.
         # With and without checksums, in turn first, so that drift hits both alike.
@@ -281,7 +284,7 @@ def run(size_mb: float, work: Path, repeats: int, async_steps: int,
         shutil.rmtree(path.parent)
         # The disk is measured before and after the saves and loads, and the mean is the
         # reference: its speed drifts over seconds on a shared VM.
-        after = raw_disk(work / f"raw-{i}.bin", ckpt_bytes)
+        after = raw_disk(work / f"raw-{i}.bin", data)
         for key, first, second in zip(("write_s", "read_cold_s", "read_warm_s"), before, after):
             raw[key].append((first + second) / 2)
             raw[key.replace("_s", "_before_and_after_s")].append([first, second])
