@@ -2,23 +2,33 @@
 
     python benchmarks/checkpoint.py [--size-mb 300] [--dir /path/on/the/checkpoint/disk]
                                     [--repeats 3] [--json benchmarks/results/checkpoint.json]
+    python benchmarks/checkpoint.py --profile 15     # where one save and one cold load spend time
 
 What it measures, all in one run and on one directory (so on one disk):
 
-1. raw disk: write a file as large as the checkpoint in 16 MiB chunks and fsync it (write
-   MB/s); drop that file's pages from the page cache (posix_fadvise DONTNEED) and read it back
-   (cold read MB/s), then read it again (warm read: page cache).
+1. raw disk: write a file as large as the checkpoint from a buffer as large, in 1 MiB calls,
+   and fsync it (write MB/s); drop that file's pages from the page cache (posix_fadvise
+   DONTNEED) and read it back into that buffer (cold read MB/s), then again (warm read: page
+   cache). Measured before and after
+   each repeat's saves and loads; the mean of the two is that repeat's reference.
 2. save: `trainer.checkpoint.save_checkpoint` of a model + AdamW state of about --size-mb
    (weights are a third of it, the two moment tensors the rest), synchronous, everything
    fsynced and published (COMPLETE, rename). MB/s = bytes on disk / seconds.
 3. load: `trainer.checkpoint.load_checkpoint` of that checkpoint into a fresh model and
    optimizer, cold (its files dropped from the page cache first) and warm.
-4. blocking: `CheckpointManager` timings. Sync: `blocked_s` is the whole save. Async:
+4. checksums: the same save with hashing replaced by a no-op, and the same cold load of a
+   checkpoint whose COMPLETE records no checksums (so nothing is verified), each right next
+   to its counterpart; the cost is the median over repeats of the ratio of each pair. Also
+   xxh3 alone over the checkpoint's bytes in memory.
+5. blocking: `CheckpointManager` timings. Sync: `blocked_s` is the whole save. Async:
    `blocked_s` is the copy to host memory (the second save of a manager: the first also
    allocates the staging buffers); training steps then run while the background thread
    writes, and their step time is compared with steps run without a save in flight.
 
-Each figure is the median over --repeats. A table goes to stdout, everything to --json.
+Each figure is the median over --repeats; a fraction of the disk's bandwidth (or a checksum
+cost) is the median of each repeat's own ratio, since the disk's speed drifts between repeats.
+Before each timed step the disk is left to settle (sync, half a second). A table goes to
+stdout, everything to --json.
 Dropping a file's cached pages needs no privileges and touches no other file. If cold and
 warm reads come out alike, the kernel kept the pages (or the disk is as fast as memory): the
 "cold" figures are then page-cache figures.
@@ -27,6 +37,7 @@ warm reads come out alike, the kernel kept the pages (or the disk is as fast as 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -44,7 +55,9 @@ if __package__ in (None, ""):
 import torch
 from torch import nn
 
+from trainer import checksums
 from trainer.checkpoint import (
+    COMPLETE_FILE,
     CheckpointManager,
     ModelMember,
     OptimizerMember,
@@ -52,30 +65,37 @@ from trainer.checkpoint import (
     save_checkpoint,
 )
 
-CHUNK = 16 << 20
+# Raw I/O goes in 1 MiB calls: on the 2-core VM, 16 MiB calls wrote at less than half the
+# speed (and read no faster), which made the disk look slower than it is.
+CHUNK = 1 << 20
 MB = 1e6
 
 
+DEVICE = torch.device("cpu")  # --device: where the model and optimizer state live
+
+
 def build_state(size_mb: float, width: int = 2048, seed: int = 0):
-    """A stack of width x width linear layers and an AdamW that has stepped once.
+    """A stack of width x width linear layers and an AdamW that has stepped once, on DEVICE.
 
     Weights are 1/3 of the bytes, AdamW's exp_avg and exp_avg_sq the other 2/3.
     """
     per_layer = (width * width + width) * 4 * 3
     layers = max(1, round(size_mb * MB / per_layer))
     torch.manual_seed(seed)
-    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(DEVICE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     train_step(model, optimizer)
     return model, optimizer
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: int = 16) -> None:
-    x = torch.randn(batch, model[0].in_features)
+    x = torch.randn(batch, model[0].in_features, device=DEVICE)
     loss = model(x).square().mean()
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()  # step times are wall times
 
 
 def members(model, optimizer) -> dict:
@@ -101,30 +121,114 @@ def drop_cache(path: Path) -> bool:
     return True
 
 
-def raw_write(path: Path, size: int) -> float:
-    block = os.urandom(CHUNK)  # incompressible, like weights
+def settle() -> None:
+    """Let the disk finish earlier work before the next timed step.
+
+    Deleting a checkpoint frees hundreds of MB; on a filesystem mounted with `discard` (this
+    VM's root) the trims go out at the next journal commit and slow whatever is timed next.
+    """
+    os.sync()
+    time.sleep(0.5)
+
+
+def raw_write(path: Path, data: memoryview) -> float:
+    """Seconds to write `data` to a new file in CHUNK calls and fsync it."""
     start = time.perf_counter()
-    with open(path, "wb") as handle:
-        left = size
-        while left > 0:
-            handle.write(block[: min(CHUNK, left)])
-            left -= CHUNK
-        handle.flush()
+    with open(path, "wb", buffering=0) as handle:
+        for offset in range(0, len(data), CHUNK):
+            handle.write(data[offset:offset + CHUNK])
         os.fsync(handle.fileno())
     return time.perf_counter() - start
 
 
-def raw_read(path: Path) -> float:
+def raw_read(path: Path, into: memoryview) -> float:
+    """Seconds to read the file at `path` into `into` (as large as the file) in CHUNK calls."""
     start = time.perf_counter()
     with open(path, "rb", buffering=0) as handle:
-        buffer = bytearray(CHUNK)
-        while handle.readinto(buffer):
-            pass
+        offset = 0
+        while got := handle.readinto(into[offset:offset + CHUNK]):
+            offset += got
     return time.perf_counter() - start
+
+
+def raw_disk(file: Path, data: memoryview) -> tuple[float, float, float]:
+    """(write + fsync, cold read, warm read) seconds of a file holding `data`.
+
+    The bytes come from and go to a buffer as large as a checkpoint, as a save's and a load's
+    do: a small buffer reused for every call stays in the CPU cache and would make the disk
+    look faster than a checkpoint can ever use it.
+    """
+    settle()
+    write = raw_write(file, data)
+    drop_cache(file)
+    cold = raw_read(file, data)
+    warm = raw_read(file, data)
+    file.unlink()
+    return write, cold, warm
 
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+class _NoHash:
+    """Stands in for a hasher when measuring what checksums cost."""
+
+    def update(self, data) -> None:
+        pass
+
+    def hexdigest(self) -> str:
+        return "0" * 16
+
+
+@contextlib.contextmanager
+def hashing_off():
+    """Saves inside this block take no checksums (they record zeros: never load them)."""
+    saved = checksums.new_hasher
+    checksums.new_hasher = _NoHash
+    try:
+        yield
+    finally:
+        checksums.new_hasher = saved
+
+
+@contextlib.contextmanager
+def unrecorded_checksums(path: Path):
+    """The checkpoint at `path` as an older relay wrote it: COMPLETE without checksums."""
+    marker = path / COMPLETE_FILE
+    original = marker.read_text()
+    info = json.loads(original)
+    del info["checksum"], info["checksums"]
+    marker.write_text(json.dumps(info))
+    try:
+        yield
+    finally:
+        marker.write_text(original)
+
+
+def hash_seconds(path: Path) -> float:
+    """xxh3 over every byte of the checkpoint at `path`, held in memory (no I/O timed)."""
+    data = [p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()]
+    start = time.perf_counter()
+    for blob in data:
+        checksums.digest_bytes(blob)
+    return time.perf_counter() - start
+
+
+def timed_sync_save(directory: Path, model, optimizer) -> tuple[Path, float]:
+    with CheckpointManager(directory) as manager:
+        path = manager.save(1, members=members(model, optimizer), training_state={"step": 1},
+                            dataloader_state={})
+        return path, manager.timings[-1].total_s
+
+
+def timed_load(path: Path, model, optimizer, *, cold: bool) -> float:
+    if cold:
+        drop_cache(path)
+    settle()
+    start = time.perf_counter()
+    load_checkpoint(path, members(model, optimizer))
+    return time.perf_counter() - start
 
 
 def run(size_mb: float, work: Path, repeats: int, async_steps: int,
@@ -141,37 +245,49 @@ def run(size_mb: float, work: Path, repeats: int, async_steps: int,
     results["checkpoint_bytes"] = ckpt_bytes
 
     # One repeat measures everything once, so load from other processes spreads evenly.
-    raw = {"write_s": [], "read_cold_s": [], "read_warm_s": []}
+    raw = {"write_s": [], "read_cold_s": [], "read_warm_s": [], "write_before_and_after_s": [],
+           "read_cold_before_and_after_s": [], "read_warm_before_and_after_s": []}
     save = {"save_s": [], "load_cold_s": [], "load_warm_s": []}
+    check = {"save_without_s": [], "load_cold_without_s": [], "hash_in_memory_s": []}
     blocking = {"sync_blocked_s": [], "async_blocked_s": [], "async_total_s": [],
                 "async_wait_at_end_s": [], "steps_during_async_save": [],
                 "step_s_during_async_save": [], "step_s_without_save": []}
     fresh_model, fresh_optimizer = build_state(size_mb, seed=1)
-    dropped = False
+    data = memoryview(bytearray(os.urandom(ckpt_bytes)))  # incompressible, like weights
     for i in range(repeats):
-        file = work / f"raw-{i}.bin"
-        raw["write_s"].append(raw_write(file, ckpt_bytes))
-        dropped = drop_cache(file)
-        raw["read_cold_s"].append(raw_read(file))
-        raw["read_warm_s"].append(raw_read(file))
-        file.unlink()
+        before = raw_disk(work / f"raw-{i}.bin", data)
 
         # Sync: the whole save (write, fsync, COMPLETE, rename) blocks the training thread.
-        with CheckpointManager(work / f"sync-{i}") as manager:
-            path = manager.save(1, members=members(model, optimizer),
-                                training_state={"step": 1}, dataloader_state={})
-            timing = manager.timings[-1]
-        save["save_s"].append(timing.total_s)
-        blocking["sync_blocked_s"].append(timing.blocked_s)
-        drop_cache(path)
-        for key in ("load_cold_s", "load_warm_s"):
-            start = time.perf_counter()
-            load_checkpoint(path, members(fresh_model, fresh_optimizer))
-            save[key].append(time.perf_counter() - start)
+        # With and without checksums, in turn first, so that drift hits both alike.
+        for with_checksums in (i % 2 == 0, i % 2 != 0):
+            directory = work / f"sync-{i}-{'with' if with_checksums else 'without'}"
+            settle()
+            with contextlib.nullcontext() if with_checksums else hashing_off():
+                path, seconds = timed_sync_save(directory, model, optimizer)
+            if with_checksums:
+                kept = path
+                save["save_s"].append(seconds)
+                blocking["sync_blocked_s"].append(seconds)
+            else:
+                check["save_without_s"].append(seconds)
+                shutil.rmtree(directory)
+        path = kept
+        for with_checksums in (i % 2 == 0, i % 2 != 0):
+            with contextlib.nullcontext() if with_checksums else unrecorded_checksums(path):
+                seconds = timed_load(path, fresh_model, fresh_optimizer, cold=True)
+            (save["load_cold_s"] if with_checksums else check["load_cold_without_s"]).append(seconds)
+        save["load_warm_s"].append(timed_load(path, fresh_model, fresh_optimizer, cold=False))
+        check["hash_in_memory_s"].append(hash_seconds(path))
         # The load really restored what was saved (the model has not stepped since).
         assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                      fresh_model.state_dict().values()))
-        shutil.rmtree(work / f"sync-{i}")
+        shutil.rmtree(path.parent)
+        # The disk is measured before and after the saves and loads, and the mean is the
+        # reference: its speed drifts over seconds on a shared VM.
+        after = raw_disk(work / f"raw-{i}.bin", data)
+        for key, first, second in zip(("write_s", "read_cold_s", "read_warm_s"), before, after):
+            raw[key].append((first + second) / 2)
+            raw[key.replace("_s", "_before_and_after_s")].append([first, second])
 
         # Async: blocked while staging to host memory; steps overlap the background write.
         baseline = []
@@ -205,12 +321,17 @@ def run(size_mb: float, work: Path, repeats: int, async_steps: int,
         blocking["steps_during_async_save"].append(len(steps))
         blocking["step_s_during_async_save"].append(median(steps) if steps else float("nan"))
         shutil.rmtree(work / f"async-{i}")
-    results["cache_drop"] = "posix_fadvise(DONTNEED)" if dropped else "unavailable"
+        settle()
+    results["cache_drop"] = "posix_fadvise(DONTNEED)" if hasattr(os, "posix_fadvise") else "unavailable"
 
     results["raw"] = raw
     results["checkpoint"] = save
+    results["checksums"] = check
     results["blocking"] = blocking
     mb = ckpt_bytes / MB
+
+    def pair_cost(with_s: list[float], without_s: list[float]) -> float:
+        return median([a / b for a, b in zip(with_s, without_s)]) - 1
     results["summary"] = {
         "checkpoint_mb": mb,
         "disk_write_mb_s": mb / median(raw["write_s"]),
@@ -218,7 +339,16 @@ def run(size_mb: float, work: Path, repeats: int, async_steps: int,
         "disk_read_warm_mb_s": mb / median(raw["read_warm_s"]),
         "save_mb_s": mb / median(save["save_s"]),
         "load_cold_mb_s": mb / median(save["load_cold_s"]),
+        # Each repeat's own pair: the disk's speed drifts more between repeats than within one.
+        "save_of_disk_write": median([d / c for d, c in zip(raw["write_s"], save["save_s"])]),
+        "load_cold_of_disk_read": median([d / c for d, c in zip(raw["read_cold_s"],
+                                                                save["load_cold_s"])]),
         "load_warm_mb_s": mb / median(save["load_warm_s"]),
+        "checksum_cost_save": pair_cost(save["save_s"], check["save_without_s"]),
+        "checksum_cost_load_cold": pair_cost(save["load_cold_s"], check["load_cold_without_s"]),
+        "save_without_checksums_mb_s": mb / median(check["save_without_s"]),
+        "load_cold_without_checksums_mb_s": mb / median(check["load_cold_without_s"]),
+        "hash_in_memory_mb_s": mb / median(check["hash_in_memory_s"]),
         "sync_blocked_s": median(blocking["sync_blocked_s"]),
         "async_blocked_s": median(blocking["async_blocked_s"]),
         "async_total_s": median(blocking["async_total_s"]),
@@ -232,6 +362,7 @@ def run(size_mb: float, work: Path, repeats: int, async_steps: int,
 def environment() -> dict:
     return {
         "host": socket.gethostname(),
+        "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu",
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -259,9 +390,14 @@ def print_table(summary: dict) -> None:
         ("disk write + fsync", f"{s['disk_write_mb_s']:.0f} MB/s"),
         ("disk read, cold / warm", f"{s['disk_read_cold_mb_s']:.0f} / {s['disk_read_warm_mb_s']:.0f} MB/s"),
         ("save (sync, published)", f"{s['save_mb_s']:.0f} MB/s = "
-                                   f"{s['save_mb_s'] / s['disk_write_mb_s']:.0%} of disk write"),
+                                   f"{s['save_of_disk_write']:.0%} of disk write"),
         ("load, cold / warm", f"{s['load_cold_mb_s']:.0f} / {s['load_warm_mb_s']:.0f} MB/s = "
-                              f"{s['load_cold_mb_s'] / s['disk_read_cold_mb_s']:.0%} of cold read"),
+                              f"{s['load_cold_of_disk_read']:.0%} of cold read"),
+        ("checksums: save / cold load", f"{s['checksum_cost_save']:+.1%} / "
+                                        f"{s['checksum_cost_load_cold']:+.1%} time (without: "
+                                        f"{s['save_without_checksums_mb_s']:.0f} / "
+                                        f"{s['load_cold_without_checksums_mb_s']:.0f} MB/s)"),
+        ("xxh3 alone, in memory", f"{s['hash_in_memory_mb_s']:.0f} MB/s"),
         ("training blocked, sync save", f"{s['sync_blocked_s']:.2f} s"),
         ("training blocked, async save", f"{s['async_blocked_s']:.2f} s (write in background: "
                                          f"{s['async_total_s']:.2f} s in all)"),
@@ -274,6 +410,29 @@ def print_table(summary: dict) -> None:
         print(f"{name:<{width}}  {value}")
 
 
+def profile(size_mb: float, work: Path, top: int) -> None:
+    """Print the `top` functions by own time of one sync save and one cold load (cProfile)."""
+    import cProfile
+    import pstats
+
+    model, optimizer = build_state(size_mb)
+    fresh_model, fresh_optimizer = build_state(size_mb, seed=1)
+    timed_sync_save(work / "warmup", model, optimizer)  # imports and planners, untimed
+    for what in ("save", "load"):
+        settle()
+        profiler = cProfile.Profile()
+        if what == "save":
+            profiler.enable()
+            path, _ = timed_sync_save(work / "profiled", model, optimizer)
+        else:
+            drop_cache(path)
+            profiler.enable()
+            load_checkpoint(path, members(fresh_model, fresh_optimizer))
+        profiler.disable()
+        print(f"== one {what} of {dir_bytes(path) / MB:.0f} MB, by own time")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=float, default=300.0,
@@ -284,10 +443,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--async-steps", type=int, default=50,
                         help="at most this many training steps overlap an async save")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--device", default="cpu",
+                        help="where the model and optimizer live: cpu (default) or cuda")
+    parser.add_argument("--profile", type=int, default=0, metavar="TOP",
+                        help="instead: profile one save and one cold load, print the TOP functions")
     ns = parser.parse_args(argv)
+    global DEVICE
+    DEVICE = torch.device(ns.device)
     base = ns.dir or Path(tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="relay-ckpt-bench-", dir=base))
+    if ns.profile:
+        try:
+            profile(ns.size_mb, work, ns.profile)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return 0
     try:
         env = environment()
         started = time.time()
@@ -298,8 +469,9 @@ def main(argv: list[str] | None = None) -> int:
         results["wall_s"] = time.time() - started
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"relay checkpoint benchmark: torch {env['torch']}, {env['cpus']} CPUs "
-          f"({env['cpu_model']}), {results['directory']}, median of {ns.repeats}")
+    print(f"relay checkpoint benchmark: torch {env['torch']}, state on {env['device']}, "
+          f"{env['cpus']} CPUs ({env['cpu_model']}), {results['directory']}, "
+          f"median of {ns.repeats}")
     print_table(results["summary"])
     if ns.json:
         ns.json.parent.mkdir(parents=True, exist_ok=True)

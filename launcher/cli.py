@@ -121,9 +121,22 @@ def _print_scripts(pipeline, separator: str = "") -> None:
         print(render_sbatch(stage, dependency=_dependency_placeholder(pipeline, stage)))
 
 
+def _secrets_refused(pipeline, verb: str) -> bool:
+    """Print why and return True when a job script would hold a credential's value."""
+    from launcher.slurm import SecretValueError, refuse_pipeline_secrets
+
+    try:
+        refuse_pipeline_secrets(pipeline)
+    except SecretValueError as exc:
+        done = {"submit": "submitted", "render": "rendered"}[verb]
+        print(f"relay {verb}: nothing was {done}, because: {exc}", file=sys.stderr)
+        return True
+    return False
+
+
 def cmd_render(ns: argparse.Namespace) -> int:
     pipeline = _load_pipeline(ns, "render", check_paths=ns.check_paths)
-    if pipeline is None:
+    if pipeline is None or _secrets_refused(pipeline, "render"):
         return 2
     _print_scripts(pipeline)
     return 0
@@ -136,7 +149,7 @@ def cmd_submit(ns: argparse.Namespace) -> int:
     from launcher.status import active_jobs, collect_status
 
     pipeline = _load_pipeline(ns, "submit")
-    if pipeline is None:
+    if pipeline is None or _secrets_refused(pipeline, "submit"):
         return 2
     _print_plan(pipeline)
     if ns.dry_run:

@@ -114,7 +114,8 @@ class StageJob:
 
 
 def _describe(code: int) -> str:
-    return {1: "training failed", 2: "bad configuration"}.get(code, "unexpected exit code")
+    return {1: "training failed", 2: "bad configuration, or output_dir in use by another run"}.get(
+        code, "unexpected exit code")
 
 
 def _raise_preempted(signum, frame) -> None:

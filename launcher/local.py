@@ -43,7 +43,8 @@ def explain_exit(stage: StageSpec, code: int, pipeline_path: str) -> str:
     if code == PREEMPTED:
         return (f"stage {stage.name} was interrupted and saved a checkpoint in {out}. Resume "
                 f"with: relay run {shlex.quote(pipeline_path)} --from {stage.name}")
-    what = {2: "bad configuration", 1: "training failed"}.get(code, f"exit code {code}")
+    what = {2: "bad configuration, or output_dir in use by another run",
+            1: "training failed"}.get(code, f"exit code {code}")
     if code < 0:
         what = f"killed by signal {-code}"
     detail = f": {error}" if error else ""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from launcher.pipeline import Pipeline, StageSpec, WarmupSpec
+from launcher.secret_values import (argv_fields, fields_holding_secrets, resource_fields,
+                                    secret_values)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SBATCH_FILE = "relay-job.sbatch"  # the rendered script, kept in each stage's output_dir
@@ -39,6 +42,23 @@ ACTIVE_STATES = frozenset({"PENDING", "RUNNING", "REQUEUED", "REQUEUE_FED", "REQ
 
 class SlurmError(Exception):
     """Slurm refused or could not be reached. The message says what it answered."""
+
+
+class SecretValueError(SlurmError):
+    """A field to be rendered into a job script holds a credential from the environment."""
+
+
+def refuse_secret_values(where: str, fields) -> None:
+    """Raise SecretValueError naming each field of `fields` ((name, value) pairs) whose value
+    equals or contains a credential of this process's environment."""
+    found = fields_holding_secrets(fields, secret_values(os.environ))
+    if found:
+        named = "; ".join(f"`{field}` holds the value of ${name}" for field, name in found)
+        raise SecretValueError(
+            f"{where}: {named}. relay does not write credentials into the sbatch script, which "
+            f"is kept on shared storage. Remove the field (or the interpolation that filled it) "
+            f"from the YAML: the job inherits {', '.join(sorted({n for _, n in found}))} from "
+            f"the environment of `relay submit`.")
 
 
 def slurm_folder(stage: StageSpec) -> Path:
@@ -80,8 +100,12 @@ def executor_parameters(stage: StageSpec, *, dependency: str | None = None,
                         repo_root: str | Path = REPO_ROOT) -> dict[str, Any]:
     """submitit SlurmExecutor parameters for a stage (keys of submitit's sbatch renderer).
 
-    `dependency` is the job id (or a placeholder) of the stage this one waits for.
+    `dependency` is the job id (or a placeholder) of the stage this one waits for. Raises
+    SecretValueError when a field holds a credential's value.
     """
+    refuse_secret_values(f"stage {stage.name}", [
+        ("output_dir", stage.output_dir), ("job_name", stage.job_name),
+        *resource_fields(stage.resources), *argv_fields(stage.train_argv, "train.py")])
     return _parameters(stage.resources, job_name=stage.job_name, signal=slurm_signal(stage),
                        setup=render_setup(stage, repo_root=repo_root), dependency=dependency)
 
@@ -162,8 +186,12 @@ def render_warmup_setup(warmup: WarmupSpec, *, repo_root: str | Path = REPO_ROOT
 def warmup_executor_parameters(warmup: WarmupSpec, *,
                                repo_root: str | Path = REPO_ROOT) -> dict[str, Any]:
     """submitit SlurmExecutor parameters of the warm-up job: the first of the chain, so it
-    depends on nothing. Requeued like a stage when preempted (warming up twice is harmless)."""
+    depends on nothing. Requeued like a stage when preempted (warming up twice is harmless).
+    Raises SecretValueError when a field holds a credential's value."""
     r = warmup.resources
+    refuse_secret_values("the warm-up job", [
+        ("job_name", warmup.job_name), *resource_fields(r),
+        *(field for run in warmup.runs for field in argv_fields(run.argv, f"{run.stage}: train.py"))])
     return _parameters(r, job_name=warmup.job_name, signal=f"USR2@{r.signal_lead_s}",
                        setup=render_warmup_setup(warmup, repo_root=repo_root), dependency=None)
 
@@ -268,9 +296,11 @@ def submit_pipeline(pipeline: Pipeline, *, repo_root: str | Path = REPO_ROOT,
     """Submit the pipeline's stages in order, each after the previous one (afterok).
 
     With a warm-up (pipeline.warmup), it is submitted first and the first stage waits for it.
-    All or nothing: when a submission fails, the jobs already submitted are cancelled and
-    SlurmError is raised. `on_submit(SubmittedStage)` is called after each submission.
+    All or nothing: every job's parameters are rendered before the first is submitted (a
+    SecretValueError submits nothing); when a submission fails, the jobs already submitted are
+    cancelled and SlurmError is raised. `on_submit(SubmittedStage)` is called after each.
     """
+    refuse_pipeline_secrets(pipeline)
     done: list[SubmittedStage] = []
     try:
         if pipeline.warmup is not None:
@@ -291,6 +321,14 @@ def submit_pipeline(pipeline: Pipeline, *, repo_root: str | Path = REPO_ROOT,
             cancel_jobs([s.job_id for s in done])
         raise
     return done
+
+
+def refuse_pipeline_secrets(pipeline: Pipeline) -> None:
+    """Raise SecretValueError if any job of `pipeline` would render a credential's value."""
+    if pipeline.warmup is not None:
+        warmup_executor_parameters(pipeline.warmup)
+    for stage in pipeline.stages:
+        executor_parameters(stage)
 
 
 def cancel_jobs(job_ids: list[str]) -> None:

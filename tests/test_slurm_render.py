@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,75 @@ def test_no_secret_from_the_environment_reaches_the_rendered_script(tmp_path, mo
     params += repr(warmup_executor_parameters(pipeline.warmup))
     for secret in ("relay-test-secret-4711", "relay-test-secret-4712"):
         assert secret not in text and secret not in params
+
+
+# ---- secrets by value -----------------------------------------------------------------------
+
+WANDB_SECRET = "wandb-value-8c1f2e9a7d"
+SERVICE_SECRET = "svc-token-5b7a3c9e1f"
+
+
+def _tiny_pipeline_yaml(tmp_path: Path, cluster_env: dict | None = None,
+                        sft_overrides: dict | None = None) -> Path:
+    data = yaml.safe_load((ROOT / "config/pipeline/tiny.yaml").read_text())
+    data["root"] = str(tmp_path / "runs")
+    for stage in data["stages"].values():
+        stage["config"] = str(ROOT / stage["config"])
+    if cluster_env:
+        data["cluster"]["env"] = cluster_env
+    if sft_overrides:
+        data["stages"]["sft"]["overrides"].update(sft_overrides)
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_a_cluster_env_entry_interpolating_a_secret_is_refused_naming_the_field_not_the_value(
+        tmp_path, monkeypatch):
+    from launcher.slurm import SecretValueError
+
+    monkeypatch.setenv("WANDB_API_KEY", WANDB_SECRET)
+    path = _tiny_pipeline_yaml(tmp_path, cluster_env={"WB": "${oc.env:WANDB_API_KEY}"})
+    pipeline = validate_pipeline(path, cwd=ROOT, check_paths=False)
+    for render in (lambda: render_sbatch(pipeline.stages[0]),
+                   lambda: render_warmup_sbatch(pipeline.warmup)):
+        with pytest.raises(SecretValueError) as info:
+            render()
+        assert "`env.WB` holds the value of $WANDB_API_KEY" in str(info.value)
+        assert WANDB_SECRET not in str(info.value)
+
+
+def test_a_train_argument_holding_any_token_named_variable_is_refused(tmp_path, monkeypatch):
+    from launcher.slurm import SecretValueError
+
+    monkeypatch.setenv("MY_SERVICE_TOKEN", SERVICE_SECRET)
+    path = _tiny_pipeline_yaml(tmp_path, sft_overrides={"wandb_project": "${oc.env:MY_SERVICE_TOKEN}"})
+    pipeline = validate_pipeline(path, cwd=ROOT, check_paths=False)
+    pretrain, sft = pipeline.stages[:2]
+    render_sbatch(pretrain)  # the stage without it renders
+    with pytest.raises(SecretValueError, match=r"stage sft: `train.py --wandb_project` holds the "
+                                               r"value of \$MY_SERVICE_TOKEN") as info:
+        render_sbatch(sft, dependency="1")
+    assert SERVICE_SECRET not in str(info.value)
+
+
+def test_short_values_of_key_named_variables_do_not_block_rendering(tmp_path, monkeypatch):
+    # FOO_KEY=1 is a flag, not a credential: "1" is in every script (--nodes=1).
+    monkeypatch.setenv("RELAY_SORT_KEY", "1")
+    pipeline = validate_pipeline(_tiny_pipeline_yaml(tmp_path), cwd=ROOT, check_paths=False)
+    assert "--nodes=1" in render_sbatch(pipeline.stages[0])
+
+
+@pytest.mark.parametrize("verb", [["render"], ["submit", "--dry-run"]])
+def test_relay_render_and_submit_refuse_a_secret_value_with_exit_2_and_print_no_script(
+        tmp_path, verb):
+    path = _tiny_pipeline_yaml(tmp_path, cluster_env={"WB": "${oc.env:WANDB_API_KEY}"})
+    env = {**os.environ, "WANDB_API_KEY": WANDB_SECRET, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", *verb, str(path)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "nothing was" in proc.stderr and "`env.WB` holds the value of $WANDB_API_KEY" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert WANDB_SECRET not in proc.stdout + proc.stderr
+    assert "#SBATCH" not in proc.stdout
+    assert not (tmp_path / "runs").exists()

@@ -56,21 +56,28 @@ from trainer.checkpoint_layout import (
     RESOLVED_CONFIG_FILE,
     TRAINING_STATE_FILE,
     CheckpointError,
+    METADATA_FILE,
     CheckpointIncompatibleError,
     checkpoint_dir,
     checkpoint_step,
     expected_files,
+    recorded_checksums,
     fsync_dir,
     fsync_file,
     list_checkpoints,
+    member_checksums,
     prune_checkpoints,
     quarantine_checkpoint,
     read_complete,
     scan_output_dir,
     unique_sibling,
     validate_checkpoint,
+    verify_bytes,
+    verify_files,
     write_durably,
 )
+from trainer.checksums import ALGORITHM as CHECKSUM_ALGORITHM
+from trainer.checksums import digest_file
 from trainer.dcp_io import (
     iter_tensor_leaves,
     load_dcp_in_place,
@@ -328,22 +335,30 @@ def _write_and_commit(job: _SaveJob) -> Path:
         tmp.mkdir(parents=True)
 
     _run_phase(job, "create the temporary directory", prepare if is_rank0 else None)
+    # Every file's checksum, taken while it is written (None: the writer could not hash it).
+    digests: dict[str, str | None] = {}
     for name, state in job.members.items():
-        _run_phase(job, f"write member {name!r}",
-                   lambda state=state, name=name: save_dcp(state, tmp / name, process_group=group))
+        def write_member(state=state, name=name) -> None:
+            written = save_dcp(state, tmp / name, process_group=group)
+            digests.update({f"{name}/{file}": digest for file, digest in written.items()})
+
+        _run_phase(job, f"write member {name!r}", write_member)
 
     def write_small_files() -> None:
         if is_rank0:
             buffer = io.BytesIO()
             torch.save({"format": CHECKPOINT_FORMAT, "state": job.training_state}, buffer)
-            write_durably(tmp / TRAINING_STATE_FILE, buffer.getvalue())
+            digests[TRAINING_STATE_FILE] = write_durably(tmp / TRAINING_STATE_FILE, buffer.getvalue())
             for name, data in job.extra_files.items():
-                write_durably(tmp / name, data)
+                digests[name] = write_durably(tmp / name, data)
         if job.dataloader_json is not None:
-            write_durably(tmp / DATALOADER_DIR / f"{job.topology.dp_rank}.json", job.dataloader_json.encode())
+            cursor = f"{DATALOADER_DIR}/{job.topology.dp_rank}.json"
+            digests[cursor] = write_durably(tmp / cursor, job.dataloader_json.encode())
 
     _run_phase(job, "write training state and data cursors", write_small_files)
-    _run_phase(job, "publish the checkpoint", (lambda: _publish(job, tmp, final)) if is_rank0 else None)
+    every_rank = {rel: digest for part in all_gather_objects(digests, group) for rel, digest in part.items()}
+    _run_phase(job, "publish the checkpoint",
+               (lambda: _publish(job, tmp, final, every_rank)) if is_rank0 else None)
     if is_rank0:
         log.info("saved %s", final)
         if job.save_total_limit >= 1:
@@ -351,13 +366,18 @@ def _write_and_commit(job: _SaveJob) -> Path:
     return final
 
 
-def _publish(job: _SaveJob, tmp: Path, final: Path) -> None:
-    """Rank 0: sync and list every file, write COMPLETE, rename tmp into place."""
+def _publish(job: _SaveJob, tmp: Path, final: Path, digests: dict[str, str | None]) -> None:
+    """Rank 0: sync and list every file with its size and checksum, write COMPLETE, rename
+    tmp into place. `digests` are the checksums the writers took; a file without one is hashed
+    from disk."""
     files: dict[str, int] = {}
+    checksums: dict[str, str] = {}
     for path in sorted(tmp.rglob("*")):
         if path.is_file():
             fsync_file(path)  # cheap where the writer already synced; covers any that did not
-            files[path.relative_to(tmp).as_posix()] = path.stat().st_size
+            rel = path.relative_to(tmp).as_posix()
+            files[rel] = path.stat().st_size
+            checksums[rel] = digests.get(rel) or digest_file(path)
         elif path.is_dir():
             fsync_dir(path)
     missing = [rel for rel in expected_files(list(job.members), job.topology.dp_world) if rel not in files]
@@ -376,6 +396,8 @@ def _publish(job: _SaveJob, tmp: Path, final: Path) -> None:
         "created_at": datetime.now(timezone.utc).isoformat(),
         "torch_version": torch.__version__,
         "files": files,
+        "checksum": CHECKSUM_ALGORITHM,
+        "checksums": checksums,
     }
     write_durably(tmp / COMPLETE_FILE, json.dumps(complete, indent=2, sort_keys=True).encode())
     fsync_dir(tmp)
@@ -610,25 +632,35 @@ def load_checkpoint(
     `resume_data_state` is False: then the data-parallel topology is not checked and the data
     stream restarts (the caller should say so loudly).
 
+    Every file read is checked against the checksum COMPLETE records for it: shards as they
+    are read (a shard no rank reads whole is hashed from disk afterwards), the small files
+    before they are parsed.
+
     Raises CheckpointIncompatibleError (the checkpoint is fine, this run's configuration is
     not) when a member is absent, a tensor is absent or shaped differently, or dp_world /
-    cp_size differ while resume_data_state is True. Raises CheckpointError or another
-    exception when a file is corrupt.
+    cp_size differ while resume_data_state is True. Raises CheckpointError (or DCPError) when
+    a checksum does not match, and CheckpointError or another exception when a file is corrupt.
     """
     path = Path(path)
     # Stateful members produce their state dicts on every rank, before any rank can fail.
     expanded = {name: _expand_member(member) for name, member in members.items()}
+    recorded: dict[str, str] = {}  # file -> checksum from COMPLETE (empty: none recorded)
 
     def check() -> None:
         info = read_complete(path)
         _check_compatible(path, info, members, dp_world, cp_size, resume_data_state)
+        recorded.update(_recorded_or_note(path, info, process_group))
+        # Verified before it is read: a flipped bit could pass for a changed model shape.
+        verify_files(path, recorded, [f"{name}/{METADATA_FILE}" for name in expanded])
         for name, (state, _) in expanded.items():
             _check_member_shapes(path / name, state)
 
     # Every rank checks, then all agree, so that no rank enters DCP's collectives alone.
     _raise_if_any_rank_failed(_attempt(check), process_group)
     for name, (state, finishers) in expanded.items():
-        load_dcp_in_place(state, path / name, process_group=process_group)  # DCP agrees on errors itself
+        # All ranks agree on errors, a checksum mismatch included.
+        load_dcp_in_place(state, path / name, process_group=process_group,
+                          checksums=member_checksums(recorded, name))
 
         def finish(finishers=finishers) -> None:
             for apply in finishers:
@@ -637,21 +669,38 @@ def load_checkpoint(
         _raise_if_any_rank_failed(_attempt(finish), process_group)
 
     # Rank-local reads last: no collective follows, so a failure here cannot strand other ranks.
+    state_file = path / TRAINING_STATE_FILE
     try:
-        payload = torch.load(path / TRAINING_STATE_FILE, map_location="cpu", weights_only=True)
+        data = state_file.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"{state_file} is unreadable ({exc})") from exc
+    verify_bytes(state_file, data, recorded.get(TRAINING_STATE_FILE))
+    try:
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"{path / TRAINING_STATE_FILE} is unreadable "
+        raise CheckpointError(f"{state_file} is unreadable "
                               f"({describe_load_error(exc)})") from exc
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{path / TRAINING_STATE_FILE} is not a training state of format {CHECKPOINT_FORMAT}")
+        raise CheckpointError(f"{state_file} is not a training state of format {CHECKPOINT_FORMAT}")
     cursor = None
     if resume_data_state:
-        cursor_file = path / DATALOADER_DIR / f"{dp_rank}.json"
+        rel = f"{DATALOADER_DIR}/{dp_rank}.json"
         try:
-            cursor = json.loads(cursor_file.read_text())
+            text = (path / rel).read_bytes()
+            verify_bytes(path / rel, text, recorded.get(rel))
+            cursor = json.loads(text)
         except (OSError, ValueError) as exc:
-            raise CheckpointError(f"data cursor {cursor_file} is unreadable: {exc}") from exc
+            raise CheckpointError(f"data cursor {path / rel} is unreadable: {exc}") from exc
     return payload["state"], cursor
+
+
+def _recorded_or_note(path: Path, info: dict[str, Any],
+                      group: dist.ProcessGroup | None) -> dict[str, str]:
+    """The checksums COMPLETE records; for an older checkpoint without any, a note and {}."""
+    if "checksums" not in info and rank_in(group) == 0:
+        log.warning("%s records no checksums (saved by an older relay): its files are checked "
+                    "by size only", path.name)
+    return recorded_checksums(info, path) or {}
 
 
 def _check_compatible(path: Path, info: dict[str, Any], members: Mapping[str, Any], dp_world: int,

@@ -1,9 +1,9 @@
 """What a checkpoint directory looks like on disk, and how to judge one without loading it.
 
 Names (`checkpoint-<step>/`, `.tmp`, `.bad`, `.deleting`), the COMPLETE marker, validation,
-listing, quarantine and pruning, and durable file writes. No torch, no process groups: this is
-what `relay status` and the warm-start reader share with the trainer. Layout and rules:
-docs/checkpoints.md.
+listing, quarantine and pruning, durable file writes and file checksums. No torch, no process
+groups: this is what `relay status` and the warm-start reader share with the trainer. Layout
+and rules: docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import shutil
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
+
+from trainer import checksums
 
 log = logging.getLogger("trainer.checkpoint")
 
@@ -157,6 +159,59 @@ def validate_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return info
 
 
+def recorded_checksums(info: dict[str, Any], path: str | os.PathLike) -> dict[str, str] | None:
+    """{file: checksum} from a COMPLETE marker's `info`; None for a checkpoint saved before
+    relay recorded checksums, or with a kind of checksum this relay does not compute (logged:
+    such a checkpoint is checked by size only, not set aside)."""
+    if "checksums" not in info:
+        return None
+    if info.get("checksum") != checksums.ALGORITHM or not isinstance(info["checksums"], dict):
+        log.warning("%s records checksums of kind %r; this relay computes %s: its files are "
+                    "checked by size only", Path(path) / COMPLETE_FILE, info.get("checksum"),
+                    checksums.ALGORITHM)
+        return None
+    return info["checksums"]
+
+
+def member_checksums(recorded: dict[str, str] | None, member: str) -> dict[str, str]:
+    """The checksums of one member's files, keyed by their names inside its directory."""
+    prefix = f"{member}/"
+    return {rel[len(prefix):]: digest for rel, digest in (recorded or {}).items()
+            if rel.startswith(prefix)}
+
+
+def checksum_mismatch(file: Path, actual: str, expected: str) -> CheckpointError:
+    """The error for a file whose bytes no longer match the checksum in COMPLETE."""
+    return CheckpointError(
+        f"{file}: checksum mismatch ({checksums.ALGORITHM} of the file {actual}, {COMPLETE_FILE} "
+        f"recorded {expected}): the file changed after it was saved (bit rot, a bad copy, an "
+        "overwrite)")
+
+
+def verify_files(path: str | os.PathLike, recorded: dict[str, str], files: Iterable[str]) -> None:
+    """Hash each of `files` (relative to checkpoint `path`) and compare it with `recorded`.
+
+    Files without a recorded checksum are skipped. Raises CheckpointError naming the first
+    file whose bytes do not match.
+    """
+    for rel in files:
+        expected = recorded.get(rel)
+        if expected is not None:
+            verify_bytes(Path(path) / rel, None, expected)
+
+
+def verify_bytes(file: Path, data: bytes | None, expected: str | None) -> None:
+    """Compare `data` (read from `file`; None: read the file) with its recorded checksum.
+
+    `expected` None (nothing recorded) passes. Raises CheckpointError on a mismatch.
+    """
+    if expected is None:
+        return
+    actual = checksums.digest_file(file) if data is None else checksums.digest_bytes(data)
+    if actual != expected:
+        raise checksum_mismatch(file, actual, expected)
+
+
 def expected_files(members: list[str], dp_world: int) -> list[str]:
     """The files every checkpoint with these members and data-parallel ranks must hold."""
     return (
@@ -262,13 +317,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_durably(path: Path, data: bytes) -> None:
-    """Write `data` to `path` (creating parents) and fsync it before returning."""
+def write_durably(path: Path, data: bytes) -> str:
+    """Write `data` to `path` (creating parents) and fsync it; return its checksum."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as handle:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
+    return checksums.digest_bytes(data)
 
 
 def describe_load_error(exc: BaseException) -> str:

@@ -4,12 +4,14 @@ DCP stores its `.metadata` as a pickle and loads non-tensor values (an optimizer
 with `torch.load(weights_only=False)`. A checkpoint directory is just files on shared storage,
 so this module reads both through restricted loaders: the metadata unpickler accepts only
 DCP's own metadata classes, and non-tensor values go through `torch.load(weights_only=True)`.
-Everything that reads a DCP directory in relay goes through here.
+Everything that reads a DCP directory in relay goes through here. Files are written with
+their checksums and read back verified against them (trainer.dcp_files).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import pickle
 import warnings
@@ -19,7 +21,6 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
@@ -28,7 +29,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from trainer.checkpoint_layout import METADATA_FILE
+from trainer.checkpoint_layout import METADATA_FILE, CheckpointError, verify_bytes
+from trainer.dcp_files import DirectFileSystemReader, HashingFileSystemWriter
 from trainer.distributed import distributed_active
 
 # DCP warns on every single-process save/load; here that is deliberate (one process, a tool, a
@@ -64,14 +66,16 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """A DCP FileSystemReader whose metadata is read with the restricted unpickler."""
+class SafeFileSystemReader(DirectFileSystemReader):
+    """A DCP reader whose metadata is read with the restricted unpickler (and whose tensors are
+    read in place and verified: trainer.dcp_files)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
-        with open(Path(self.path) / name, "rb") as stream:
-            metadata = _MetadataUnpickler(stream).load()
+        data = (Path(self.path) / name).read_bytes()
+        self.verify_bytes(name, data)
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(f"{name} holds a {type(metadata).__name__}, not DCP Metadata")
         if getattr(metadata, "storage_meta", None) is None:
@@ -158,58 +162,103 @@ def save_dcp(
     dcp_dir: str | os.PathLike,
     *,
     process_group: dist.ProcessGroup | None = None,
-) -> None:
+) -> dict[str, str | None]:
     """Write `state_dict` as a DCP directory, every file fsynced. A collective under a process group.
 
-    Raises DCPError on every rank if any rank failed to write.
+    Returns {file name: checksum} of the files this rank wrote, hashed while writing (None
+    where the writer could not hash in order: hash that file from disk). Raises DCPError on
+    every rank if any rank failed to write.
     """
+    writer = HashingFileSystemWriter(str(dcp_dir), sync_files=True)
     with _dcp_errors("saving", dcp_dir):
         dcp.save(
             state_dict,
-            storage_writer=FileSystemWriter(str(dcp_dir), sync_files=True),
+            storage_writer=writer,
             process_group=process_group,
             no_dist=not distributed_active(),
         )
+    return dict(writer.digests)
 
 
 def load_dcp_in_place(
     state_dict: dict[str, Any],
     dcp_dir: str | os.PathLike,
     *,
+    checksums: Mapping[str, str] | None = None,
     process_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Fill `state_dict` (tensors, DTensors and nested dicts/lists) in place from a DCP directory.
 
-    A collective when a process group is initialised: every rank of `process_group` must call it.
-    Raises DCPError on every rank for a missing key, a shape mismatch or an unreadable shard on
-    any rank.
+    `checksums` ({file name: checksum}, from the checkpoint's COMPLETE) are verified for every
+    file they name: each rank hashes the files it reads whole as it reads them, and the files
+    no rank read whole are hashed from disk afterwards, shared out among the ranks. A
+    collective when a process group is initialised: every rank of `process_group` must call
+    it. Raises DCPError on every rank for a missing key, a shape mismatch, an unreadable shard
+    or a checksum mismatch while reading on any rank, and CheckpointError on every rank for a
+    mismatch found afterwards.
     """
+    checksums = dict(checksums or {})
+    reader = SafeFileSystemReader(str(dcp_dir), checksums=checksums)
     with _dcp_errors("loading", dcp_dir):
         dcp.load(
             state_dict,
-            storage_reader=SafeFileSystemReader(str(dcp_dir)),
+            storage_reader=reader,
             planner=SafeLoadPlanner(),
             process_group=process_group,
             no_dist=not distributed_active(),
         )
+    if checksums:
+        _verify_files_read_in_part(Path(dcp_dir), checksums, reader.verified, process_group)
 
 
-def read_dcp_state_dict(dcp_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+def _verify_files_read_in_part(dcp_dir: Path, checksums: dict[str, str], verified: set[str],
+                               group: dist.ProcessGroup | None) -> None:
+    """Hash from disk the files of `checksums` that no rank verified while reading.
+
+    A load onto another number of ranks reads parts of files, which cannot be hashed on the
+    way. Collective; raises CheckpointError on every rank if any file does not match.
+    """
+    rank, world, read_whole = 0, 1, set(verified)
+    if distributed_active():
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, sorted(verified), group=group)
+        read_whole = {name for names in everyone for name in names}
+    left = sorted(name for name in checksums if name not in read_whole and name != METADATA_FILE)
+    error = None
+    try:
+        for name in left[rank::world]:
+            verify_bytes(dcp_dir / name, None, checksums[name])
+    except CheckpointError as exc:
+        error = str(exc)
+    errors = [error]
+    if distributed_active():
+        errors = [None] * world
+        dist.all_gather_object(errors, error, group=group)
+    found = [f"rank {i}: {e}" for i, e in enumerate(errors) if e]
+    if found:
+        raise CheckpointError("; ".join(found))
+
+
+def read_dcp_state_dict(dcp_dir: str | os.PathLike,
+                        checksums: Mapping[str, str] | None = None) -> dict[str, torch.Tensor]:
     """Read every tensor of a DCP directory into one plain, full, CPU state dict.
 
     For export and offline inspection: this process reads all shards, whatever the number of
     ranks that wrote them, and needs no process group. Non-tensor entries are skipped: a
-    model's state dict has none. Raises DCPError for an unreadable shard.
+    model's state dict has none. `checksums` ({file name: checksum}, from the checkpoint's
+    COMPLETE) are verified for every file. Raises DCPError for an unreadable shard, and
+    CheckpointError (or DCPError) for a checksum mismatch.
     """
+    checksums = dict(checksums or {})
+    verify_bytes(Path(dcp_dir) / METADATA_FILE, None, checksums.get(METADATA_FILE))
     shapes = read_dcp_tensor_shapes(dcp_dir)
     state = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in shapes.items()}
+    reader = SafeFileSystemReader(str(dcp_dir), checksums=checksums)
     with _dcp_errors("reading", dcp_dir):
-        dcp.load(
-            state,
-            storage_reader=SafeFileSystemReader(str(dcp_dir)),
-            planner=SafeLoadPlanner(),
-            no_dist=True,
-        )
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    if checksums:
+        _verify_files_read_in_part(Path(dcp_dir), checksums, reader.verified, None)
     return state
 
 

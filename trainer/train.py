@@ -5,8 +5,8 @@
 
 Reads like the table of contents of a run: arguments -> topology -> data, model, optimizer ->
 resume (or warm start, or fresh) -> loop with checkpoints -> run-result.json. Exit codes:
-0 completed, 2 bad configuration, 1 failed, trainer.preemption.PREEMPTED_EXIT_CODE preempted
-(saved, ready to be requeued).
+0 completed, 2 bad configuration or output_dir in use by another run, 1 failed,
+trainer.preemption.PREEMPTED_EXIT_CODE preempted (saved, ready to be requeued).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from trainer.distributed import (Topology, any_rank, barrier, destroy, init_dist
 from trainer.environment import probe_environment
 from trainer.files import write_json
 from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler, interrupts_deferred
+from trainer.run_lock import RunLock, RunLockError, acquire_run_lock
 from trainer.schema import ConfigError, ResolvedArgs
 from trainer.stages.base import NonFiniteError
 from trainer.tracking import MetricsWriter, Progress, WandbReporter
@@ -61,14 +62,22 @@ def run(args: ResolvedArgs) -> int:
     topo = init_distributed(args.cp_size, args.dist_backend)
     out = Path(args.output_dir)
     result = {"status": "failed", "step": 0, "last_checkpoint": None, "error": None}
+    lock: RunLock | None = None
+    refused = False  # another run holds output_dir: leave everything in it alone
     try:
         if topo.is_main:
             out.mkdir(parents=True, exist_ok=True)
+        lock = _lock_output_dir(out, topo)
         barrier()
         _add_file_log(out, topo)
         handler = PreemptionHandler(signals=(args.preemption_signal, "SIGTERM"))
         handler.install()
         return _train(args, topo, out, handler, result)
+    except RunLockError as exc:
+        refused = True
+        if topo.is_main:
+            print(f"relay: {exc}", file=sys.stderr)
+        return 2
     except (ConfigError, ckpt.CheckpointError) as exc:
         result["error"] = str(exc)
         log.error("%s", exc)
@@ -88,12 +97,31 @@ def run(args: ResolvedArgs) -> int:
         log.exception("training failed")
         return 1
     finally:
-        if topo.is_main and out.is_dir():
+        if topo.is_main and out.is_dir() and not refused:
             try:
                 write_json(out / "run-result.json", result)
             except OSError as exc:
                 log.error("could not write %s: %s", out / "run-result.json", exc)
+        if lock is not None:
+            lock.release()
         destroy()
+
+
+def _lock_output_dir(out: Path, topo: Topology) -> RunLock | None:
+    """Rank 0 locks output_dir for the run (trainer.run_lock); every rank learns the outcome.
+
+    Returns the lock on rank 0 (None elsewhere). Raises RunLockError on every rank when
+    another run holds the directory.
+    """
+    lock, refusal = None, None
+    if topo.is_main:
+        try:
+            lock = acquire_run_lock(out)
+        except RunLockError as exc:
+            refusal = exc
+    if any_rank(refusal is not None):
+        raise refusal or RunLockError("rank 0 could not lock the output_dir")
+    return lock
 
 
 def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHandler,

@@ -37,8 +37,12 @@ from trainer.checkpoint_layout import (
     RESOLVED_CONFIG_FILE,
     CheckpointError,
     describe_load_error,
+    member_checksums,
     read_complete,
+    recorded_checksums,
+    verify_bytes,
 )
+from trainer.checkpoint_layout import METADATA_FILE
 from trainer.weights_source import (
     MODEL_CONFIG_FILE,
     WeightsSource,
@@ -70,13 +74,24 @@ def _read_plain_file(source: WeightsSource) -> dict[str, torch.Tensor]:
 
 
 def read_weights(source: WeightsSource) -> dict[str, torch.Tensor]:
-    """Return the full weights of `source` as a plain CPU state dict (reads every shard)."""
+    """Return the full weights of `source` as a plain CPU state dict (reads every shard).
+
+    A checkpoint member's files are verified against the checksums in its COMPLETE.
+    """
     if source.kind == "dcp":
         try:
-            return read_dcp_state_dict(source.path)
+            return read_dcp_state_dict(source.path, checksums=_source_checksums(source))
         except Exception as exc:
             raise CheckpointError(f"could not read DCP weights from {source.path}: {exc}") from exc
     return _read_plain_file(source)
+
+
+def _source_checksums(source: WeightsSource) -> dict[str, str]:
+    """The recorded checksums of a checkpoint member's files ({} if none are known)."""
+    if source.checkpoint is None:
+        return {}
+    recorded = recorded_checksums(read_complete(source.checkpoint), source.checkpoint)
+    return member_checksums(recorded, source.path.name)
 
 
 def _matches(key: str, patterns: Iterable[str]) -> bool:
@@ -114,7 +129,9 @@ def load_warm_start(
     target = get_model_state_dict(model)
     plain: dict[str, torch.Tensor] | None = None
     if source.kind == "dcp":
+        recorded = _source_checksums(source)
         try:
+            verify_bytes(source.path / METADATA_FILE, None, recorded.get(METADATA_FILE))
             stored = {key: tuple(shape) for key, (shape, _) in read_dcp_tensor_shapes(source.path).items()}
         except Exception as exc:
             raise CheckpointError(f"could not read DCP metadata of {source.path}: {exc}") from exc
@@ -152,7 +169,7 @@ def load_warm_start(
     if source.kind == "dcp":
         subset = {key: target[key] for key in keys}
         try:
-            load_dcp_in_place(subset, source.path, process_group=process_group)
+            load_dcp_in_place(subset, source.path, checksums=recorded, process_group=process_group)
         except Exception as exc:
             raise CheckpointError(f"could not load DCP weights from {source.path}: {exc}") from exc
         set_model_state_dict(model, subset, options=StateDictOptions(strict=False))

@@ -267,6 +267,30 @@ def test_restart_falls_back_past_each_kind_of_corrupt_checkpoint_and_quarantines
             (out / f"checkpoint-{step}.bad" / QUARANTINE_REASON_FILE).read_text()
 
 
+def test_restart_quarantines_a_model_shard_with_8_flipped_bytes_and_resumes_from_the_previous(
+        tiny_trainer, tmp_path):
+    # Bit rot keeps the size: only the checksum in COMPLETE can tell the shard changed.
+    out = _copy_run(tiny_trainer.reference(), tmp_path / "bitrot", keep=[10, 12])
+    log = tmp_path / "bitrot.log"
+    shard = out / "checkpoint-12" / "transformer" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 8] = bytes(b ^ 0xFF for b in data[middle:middle + 8])
+    shard.write_bytes(bytes(data))
+    validate_checkpoint(out / "checkpoint-12")  # sizes alone pass
+
+    proc = tiny_trainer.start(out, "--save_total_limit", "0", log=log)
+    assert proc.wait(timeout=180) == 0, _tail(log)
+    reason = (out / "checkpoint-12.bad" / QUARANTINE_REASON_FILE).read_text()
+    assert "checksum mismatch" in reason and "__0_0.distcp" in reason, reason
+    assert f"resumed from {out / 'checkpoint-10'}" in log.read_text()
+    # Steps 11 and 12 ran again from intact weights: the same losses as the uninterrupted run.
+    reference = dict(tiny_trainer.losses(tiny_trainer.reference()))
+    assert [(s, l) for s, l in tiny_trainer.losses(out) if s > 10] == [(11, reference[11]),
+                                                                       (12, reference[12])]
+    _assert_all_checkpoints_valid(out)
+
+
 def test_restart_with_its_only_checkpoint_corrupt_fails_clearly_and_does_not_start_fresh(
         tiny_trainer, tmp_path):
     out = _copy_run(tiny_trainer.reference(), tmp_path / "only", keep=[2])

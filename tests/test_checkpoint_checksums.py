@@ -1,0 +1,215 @@
+"""Checksums in COMPLETE: taken while saving, checked while loading, bit rot quarantined.
+
+Real saves and loads of toy models on real files. Each corruption keeps the file's size, so
+only the checksum can notice it. The loader reads big tensors in place and small ones through
+torch.load; `in_place` runs the same tests with every tensor read in place.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import xxhash
+
+import trainer.dcp_files as dcp_files
+from trainer.checkpoint import (
+    COMPLETE_FILE,
+    QUARANTINE_REASON_FILE,
+    CheckpointError,
+    find_resume_checkpoint,
+    load_checkpoint,
+    model_state,
+    optimizer_state,
+    save_checkpoint,
+)
+from trainer.dcp_io import DCPError, load_dcp_in_place, read_dcp_state_dict, save_dcp
+
+
+@pytest.fixture(params=["default", "in_place"])
+def read_mode(request, monkeypatch):
+    if request.param == "in_place":
+        monkeypatch.setattr(dcp_files, "DIRECT_READ_MIN_BYTES", 0)
+    return request.param
+
+
+class Run:
+    def __init__(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        self.model = nn.Sequential(nn.Linear(64, 96), nn.Tanh(), nn.Linear(96, 8))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+
+    def step(self) -> None:
+        loss = self.model(torch.randn(5, 64)).square().mean()
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+
+    def members(self) -> dict:
+        return {"transformer": model_state(self.model),
+                "optimizer": optimizer_state(self.model, self.optimizer)}
+
+    def save(self, out: Path, step: int) -> Path:
+        return save_checkpoint(out, step, members=self.members(), training_state={"step": step},
+                               dataloader_state={"pos": step})
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+
+def _two_checkpoints(out: Path) -> tuple[dict, dict]:
+    run = Run(0)
+    run.step()
+    run.save(out, 1)
+    first = run.weights()
+    run.step()
+    run.save(out, 2)
+    return first, run.weights()
+
+
+def _flip_8_bytes_in_the_middle(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 8] = bytes(b ^ 0xFF for b in data[middle:middle + 8])
+    file.write_bytes(bytes(data))
+
+
+def _resume(out: Path) -> tuple[Run, Path | None]:
+    run = Run(99)
+
+    def load(path: Path) -> None:
+        run.state, run.cursor = load_checkpoint(path, run.members())
+
+    return run, find_resume_checkpoint(out, load)
+
+
+def test_complete_records_every_file_with_the_xxh3_of_its_bytes(tmp_path):
+    path = Run(0).save(tmp_path, 3)
+    info = json.loads((path / COMPLETE_FILE).read_text())
+    assert info["checksum"] == "xxh3_64"
+    assert set(info["checksums"]) == set(info["files"])
+    for rel, digest in info["checksums"].items():
+        assert digest == xxhash.xxh3_64((path / rel).read_bytes()).hexdigest(), rel
+    # The save turns torch.save's own CRC32 off only while it writes shards.
+    assert torch.serialization.get_crc32_options() is True
+
+
+@pytest.mark.parametrize("victim", ["transformer/__0_0.distcp", "optimizer/__0_0.distcp",
+                                    "transformer/.metadata", "training_state.pt",
+                                    "dataloader/0.json"])
+def test_resume_quarantines_a_checkpoint_with_8_flipped_bytes_and_takes_the_previous_one(
+        tmp_path, victim, read_mode):
+    first, _ = _two_checkpoints(tmp_path)
+    file = tmp_path / "checkpoint-2" / victim
+    size = file.stat().st_size
+    if victim == "dataloader/0.json":
+        file.write_text(file.read_text().replace("2", "7"))  # still valid JSON, another cursor
+    else:
+        _flip_8_bytes_in_the_middle(file)
+    assert file.stat().st_size == size
+    run, found = _resume(tmp_path)
+    assert found == tmp_path / "checkpoint-1"
+    assert run.cursor == {"pos": 1}
+    for key, value in run.weights().items():
+        assert torch.equal(value, first[key]), key
+    reason = (tmp_path / "checkpoint-2.bad" / QUARANTINE_REASON_FILE).read_text()
+    assert "checksum mismatch" in reason and victim.split("/")[-1] in reason
+
+
+def test_an_intact_checkpoint_loads_the_exact_weights(tmp_path, read_mode):
+    _, second = _two_checkpoints(tmp_path)
+    run, found = _resume(tmp_path)
+    assert found == tmp_path / "checkpoint-2"
+    for key, value in run.weights().items():
+        assert torch.equal(value, second[key]), key
+
+
+def test_a_checkpoint_saved_without_checksums_still_loads_with_a_note(tmp_path, caplog):
+    _, second = _two_checkpoints(tmp_path)
+    marker = tmp_path / "checkpoint-2" / COMPLETE_FILE
+    info = json.loads(marker.read_text())
+    del info["checksum"], info["checksums"]
+    marker.write_text(json.dumps(info))
+    with caplog.at_level(logging.WARNING):
+        run, found = _resume(tmp_path)
+    assert found == tmp_path / "checkpoint-2"
+    assert "checkpoint-2 records no checksums" in caplog.text
+    assert all(torch.equal(v, second[k]) for k, v in run.weights().items())
+
+
+def test_a_shard_read_only_in_part_is_hashed_from_disk(tmp_path):
+    # A run that loads some tensors of a file cannot hash it on the way; it is checked anyway.
+    run = Run(0)
+    run.save(tmp_path, 1)
+    shard = tmp_path / "checkpoint-1" / "transformer" / "__0_0.distcp"
+    _flip_8_bytes_in_the_middle(shard)
+    partial = {"0.weight": torch.empty(96, 64)}
+    with pytest.raises(CheckpointError, match="__0_0.distcp: checksum mismatch"):
+        load_checkpoint(tmp_path / "checkpoint-1", {"transformer": partial})
+
+
+def test_in_place_reads_fill_every_dtype_and_strided_destination_exactly(tmp_path, monkeypatch):
+    monkeypatch.setattr(dcp_files, "DIRECT_READ_MIN_BYTES", 0)
+    torch.manual_seed(0)
+    saved = {"f32": torch.randn(300, 70), "bf16": torch.randn(64, 33).to(torch.bfloat16),
+             "i64": torch.randint(-2**40, 2**40, (1000,)), "flag": torch.rand(77) > 0.5,
+             "scalar": torch.tensor(3.5), "nested": {"h": torch.randn(5, 6).half()}}
+    digests = save_dcp(saved, tmp_path / "m")
+    fresh = {"f32": torch.zeros(70, 300).t(),  # not contiguous: read via the host buffer
+             "bf16": torch.zeros(64, 33, dtype=torch.bfloat16),
+             "i64": torch.zeros(1000, dtype=torch.int64), "flag": torch.zeros(77, dtype=torch.bool),
+             "scalar": torch.tensor(0.0), "nested": {"h": torch.zeros(5, 6).half()}}
+    load_dcp_in_place(fresh, tmp_path / "m", checksums=digests)
+    for key in ("f32", "bf16", "i64", "flag", "scalar"):
+        assert torch.equal(fresh[key], saved[key]), key
+    assert torch.equal(fresh["nested"]["h"], saved["nested"]["h"])
+    assert all(torch.equal(read_dcp_state_dict(tmp_path / "m")[k], saved[k])
+               for k in ("f32", "bf16", "i64"))
+    # The bytes read in place were hashed: a wrong record is noticed.
+    wrong = {**digests, "__0_0.distcp": "0" * 16}
+    with pytest.raises(DCPError, match="__0_0.distcp: checksum mismatch"):
+        load_dcp_in_place(fresh, tmp_path / "m", checksums=wrong)
+
+
+def test_a_warm_start_or_export_from_a_checkpoint_with_flipped_bytes_fails_naming_the_file(
+        tmp_path, read_mode):
+    from trainer.warm_start import load_warm_start, read_weights, resolve_weights_source
+
+    run = Run(0)
+    path = run.save(tmp_path, 1)
+    source = resolve_weights_source(path, weights="live")
+    assert all(torch.equal(v, run.weights()[k]) for k, v in read_weights(source).items())
+    _flip_8_bytes_in_the_middle(path / "transformer" / "__0_0.distcp")
+    with pytest.raises(CheckpointError, match="__0_0.distcp: checksum mismatch"):
+        read_weights(resolve_weights_source(path, weights="live"))
+    with pytest.raises(CheckpointError, match="__0_0.distcp: checksum mismatch"):
+        load_warm_start(path, Run(5).model, weights="live")
+    assert not (tmp_path / "checkpoint-1.bad").exists()  # someone else's: reported, kept
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_model_on_the_gpu_resumes_exactly_and_its_bit_rot_is_caught(tmp_path, read_mode):
+    # GPU destinations are filled through the reused host buffer, then copied to the device.
+    def on_gpu(seed: int) -> Run:
+        run = Run(seed)
+        run.model.cuda()
+        run.optimizer = torch.optim.AdamW(run.model.parameters(), lr=1e-2)
+        run.model(torch.randn(5, 64, device="cuda")).square().mean().backward()
+        run.optimizer.step()
+        return run
+
+    run = on_gpu(0)
+    run.save(tmp_path, 1)
+    saved = run.weights()
+    fresh = on_gpu(7)
+    load_checkpoint(tmp_path / "checkpoint-1", fresh.members())
+    for key, value in fresh.weights().items():
+        assert value.is_cuda and torch.equal(value, saved[key]), key
+    _flip_8_bytes_in_the_middle(tmp_path / "checkpoint-1" / "optimizer" / "__0_0.distcp")
+    with pytest.raises(DCPError, match="__0_0.distcp: checksum mismatch"):
+        load_checkpoint(tmp_path / "checkpoint-1", fresh.members())
