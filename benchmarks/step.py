@@ -138,16 +138,17 @@ def relay_args(size: dict, mode: str, checkpointing: bool, attention: str, workd
 
 def build_relay(size: dict, mode: str, checkpointing: bool, attention: str, device, workdir: str):
     """(step function, parameter count, model config) of relay's FlowMatchingStage."""
-    from trainer.args import model_config
+    from trainer.build import build_ema, build_optimization, build_text_encoder, prepare_for_training
     from trainer.model import VideoDiT
-    from trainer.stages import build_text_encoder, prepare_for_training
-    from trainer.stages.fm import FlowMatchingStage, build_optimization
+    from trainer.schema import model_config
+    from trainer.stages.fm import FlowMatchingStage
 
     args = relay_args(size, mode, checkpointing, attention, workdir)
     with torch.device(device):  # initialised on the GPU: 1.5 B parameters are slow on the host
         model = VideoDiT(**model_config(args))
     model = prepare_for_training(model, args)
-    optimizer, scheduler, ema = build_optimization(args, model)
+    optimizer, scheduler = build_optimization(args, model, max_steps=args.max_steps)
+    ema = build_ema(args, model)
     stage = FlowMatchingStage(model, model, optimizer, scheduler, ema,
                               FixedBatches(size, pin=device.type == "cuda"), args,
                               build_text_encoder(args), device)

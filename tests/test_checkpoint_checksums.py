@@ -23,8 +23,8 @@ from trainer.checkpoint import (
     CheckpointError,
     find_resume_checkpoint,
     load_checkpoint,
-    model_state,
-    optimizer_state,
+    ModelMember,
+    OptimizerMember,
     save_checkpoint,
 )
 from trainer.dcp_io import DCPError, load_dcp_in_place, read_dcp_state_dict, save_dcp
@@ -50,8 +50,8 @@ class Run:
         self.optimizer.step()
 
     def members(self) -> dict:
-        return {"transformer": model_state(self.model),
-                "optimizer": optimizer_state(self.model, self.optimizer)}
+        return {"transformer": ModelMember(self.model),
+                "optimizer": OptimizerMember(self.model, self.optimizer)}
 
     def save(self, out: Path, step: int) -> Path:
         return save_checkpoint(out, step, members=self.members(), training_state={"step": step},

@@ -128,11 +128,11 @@ def _fm_stage(args: ResolvedArgs, topo: Topology):
     from trainer.stages.fm import FlowMatchingStage, PackedForward
 
     model = prepare_for_training(build_model(args, topo.device), args)
-    optimizer, scheduler = _optimization(args, model, max_steps=args.max_steps)
+    optimizer, scheduler = build_optimization(args, model, max_steps=args.max_steps)
     # Packs run through forward_packed; the wrapper makes it the forward that DDP hooks.
     runs = PackedForward(model) if args.packing_token_budget is not None else model
     return FlowMatchingStage(model, wrap_for_training(runs, topo), optimizer, scheduler,
-                             _ema(args, model), build_data(args, topo), args,
+                             build_ema(args, model), build_data(args, topo), args,
                              build_text_encoder(args), topo.device, dp_rank=topo.dp_rank,
                              dp_world=topo.dp_world)
 
@@ -142,9 +142,9 @@ def _tf_anyflow_stage(args: ResolvedArgs, topo: Topology):
     from trainer.stages.tf_anyflow import TeacherForcingForward, TFAnyFlowStage
 
     model = prepare_for_training(build_model(args, topo.device), args)
-    optimizer, scheduler = _optimization(args, model, max_steps=args.max_steps)
+    optimizer, scheduler = build_optimization(args, model, max_steps=args.max_steps)
     return TFAnyFlowStage(model, wrap_for_training(TeacherForcingForward(model), topo), optimizer,
-                          scheduler, _ema(args, model), build_data(args, topo), args,
+                          scheduler, build_ema(args, model), build_data(args, topo), args,
                           build_text_encoder(args), topo.device, dp_rank=topo.dp_rank,
                           dp_world=topo.dp_world)
 
@@ -158,18 +158,18 @@ def _dmd_sgf_stage(args: ResolvedArgs, topo: Topology):
     # Each schedule counts its own role's updates: the student's runs over the student updates
     # the run will make, the critic's over every outer step.
     student_steps = max(1, student_updates_through(args.max_steps, args.generator_update_interval))
-    student_opt, student_sched = _optimization(args, student, max_steps=student_steps)
-    critic_opt, critic_sched = _optimization(
+    student_opt, student_sched = build_optimization(args, student, max_steps=student_steps)
+    critic_opt, critic_sched = build_optimization(
         args, critic, max_steps=args.max_steps, use_muon=False,
         learning_rate=args.critic_learning_rate,
         betas=(args.critic_adam_beta1, args.critic_adam_beta2))
     return DMDSGFStage(student, teacher, critic, {"student": student_opt, "critic": critic_opt},
-                       {"student": student_sched, "critic": critic_sched}, _ema(args, student),
+                       {"student": student_sched, "critic": critic_sched}, build_ema(args, student),
                        build_data(args, topo), args, build_text_encoder(args), topo.device,
                        dp_world=topo.dp_world)
 
 
-def _optimization(args: ResolvedArgs, model: torch.nn.Module, *, max_steps: int,
+def build_optimization(args: ResolvedArgs, model: torch.nn.Module, *, max_steps: int,
                   use_muon: bool | None = None, learning_rate: float | None = None,
                   betas: tuple[float, float] | None = None):
     """(optimizer, LR scheduler) of one trained role from the training keys; a role with its
@@ -188,7 +188,7 @@ def _optimization(args: ResolvedArgs, model: torch.nn.Module, *, max_steps: int,
     return optimizer, scheduler
 
 
-def _ema(args: ResolvedArgs, model: torch.nn.Module):
+def build_ema(args: ResolvedArgs, model: torch.nn.Module):
     from trainer.ema import EMA
 
     return (EMA(model, args.ema_decay, start=args.ema_start_step,

@@ -72,7 +72,7 @@ def test_auto_kernels_match_sdpa_through_the_model(form):
 
 @pytest.mark.parametrize("form", ["full", "teacher_forcing"])
 def test_compiled_blocks_give_the_eager_gradients(form):
-    from trainer.kernels import compile_transformer_blocks
+    from trainer.model import compile_transformer_blocks
 
     causal = dict(causal_chunk_size=2) if form == "teacher_forcing" else {}
     eager = _model(**causal)
