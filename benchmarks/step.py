@@ -37,7 +37,6 @@ import contextlib
 import gc
 import importlib.metadata
 import json
-import math
 import platform
 import re
 import statistics

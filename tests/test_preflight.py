@@ -196,19 +196,14 @@ def test_a_training_state_that_would_run_code_is_quarantined_with_a_safe_reason(
 
 
 def _refresh_checksums(checkpoint: Path) -> None:
-    """Record the replaced file's size (and checksum, where COMPLETE keeps one) as if relay
-    wrote it, so the checkpoint passes validation and the load itself must refuse it."""
+    """Record the replaced file's size and checksum in COMPLETE as relay would have, so the
+    checkpoint passes validation and the load itself must refuse the file."""
+    from trainer.checksums import digest_bytes
+
     complete = json.loads((checkpoint / "COMPLETE").read_text())
-    files = complete.get("files", {})
     name = "training_state.pt"
     data = (checkpoint / name).read_bytes()
-    entry = files.get(name)
-    if isinstance(entry, dict):
-        entry["size"] = len(data)
-        if "crc32" in entry:
-            import zlib
-
-            entry["crc32"] = zlib.crc32(data)
-    elif entry is not None:
-        files[name] = len(data)
+    complete["files"][name] = len(data)
+    if name in complete.get("checksums", {}):
+        complete["checksums"][name] = digest_bytes(data)
     (checkpoint / "COMPLETE").write_text(json.dumps(complete))
