@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.distributed import Topology, barrier, wrap_for_training
+from trainer.distributed import Topology, barrier, shard_model
 from trainer.schema import ResolvedArgs, model_config
 
 
@@ -30,6 +30,12 @@ def build_score_models(args: ResolvedArgs, device: torch.device):
     teacher = build_model(args, device, config).eval().requires_grad_(False)
     critic = build_model(args, device, config)
     return prepare_for_training(teacher, args), prepare_for_training(critic, args)
+
+
+def build_trained_model(args: ResolvedArgs, topo: Topology) -> torch.nn.Module:
+    """The run's transformer as training uses it: checkpointing, compile, then FSDP2 over the
+    mesh (fully_shard goes last, around blocks that are already wrapped and compiled)."""
+    return shard_model(prepare_for_training(build_model(args, topo.device), args), topo)
 
 
 def prepare_for_training(model: torch.nn.Module, args: ResolvedArgs) -> torch.nn.Module:
@@ -76,7 +82,8 @@ def build_data(args: ResolvedArgs, topo: Topology, seed_offset: int = 0):
                                    max_text_tokens=args.text_max_tokens)
     return DistributedBatchIterator(dataset, batch_size=args.train_batch_size,
                                     dp_rank=topo.dp_rank, dp_world=topo.dp_world,
-                                    seed=args.seed + seed_offset)
+                                    seed=args.seed + seed_offset,
+                                    grad_accum=args.gradient_accumulation_steps)
 
 
 def sample_latent_shape(args: ResolvedArgs) -> tuple[int, int, int, int]:
@@ -109,9 +116,9 @@ def _fm_stage(args: ResolvedArgs, topo: Topology):
     """Pretrain / SFT: one transformer, its optimizer, schedule and EMA."""
     from trainer.stages.fm import FlowMatchingStage
 
-    model = prepare_for_training(build_model(args, topo.device), args)
+    model = build_trained_model(args, topo)
     optimizer, scheduler = _optimization(args, model, max_steps=args.max_steps)
-    return FlowMatchingStage(model, wrap_for_training(model, topo), optimizer, scheduler,
+    return FlowMatchingStage(model, model, optimizer, scheduler,
                              _ema(args, model), build_data(args, topo), args,
                              build_text_encoder(args), topo.device, dp_rank=topo.dp_rank,
                              dp_world=topo.dp_world)
@@ -121,9 +128,9 @@ def _tf_anyflow_stage(args: ResolvedArgs, topo: Topology):
     """Stage1: the causal two-time transformer, trained through its teacher-forcing forward."""
     from trainer.stages.tf_anyflow import TeacherForcingForward, TFAnyFlowStage
 
-    model = prepare_for_training(build_model(args, topo.device), args)
+    model = build_trained_model(args, topo)
     optimizer, scheduler = _optimization(args, model, max_steps=args.max_steps)
-    return TFAnyFlowStage(model, wrap_for_training(TeacherForcingForward(model), topo), optimizer,
+    return TFAnyFlowStage(model, TeacherForcingForward(model), optimizer,
                           scheduler, _ema(args, model), build_data(args, topo), args,
                           build_text_encoder(args), topo.device, dp_rank=topo.dp_rank,
                           dp_world=topo.dp_world)
@@ -133,8 +140,9 @@ def _dmd_sgf_stage(args: ResolvedArgs, topo: Topology):
     """Stage2: student, frozen teacher and critic; the student's and the critic's optimizers."""
     from trainer.stages.dmd_sgf import DMDSGFStage, student_updates_through
 
-    student = prepare_for_training(build_model(args, topo.device), args)
-    teacher, critic = build_score_models(args, topo.device)
+    student = build_trained_model(args, topo)
+    # Sharded like the student; the frozen teacher holds no gradient and no optimizer state.
+    teacher, critic = (shard_model(m, topo) for m in build_score_models(args, topo.device))
     # Each schedule counts its own role's updates: the student's runs over the student updates
     # the run will make, the critic's over every outer step.
     student_steps = max(1, student_updates_through(args.max_steps, args.generator_update_interval))

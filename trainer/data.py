@@ -213,19 +213,22 @@ class ParquetLatentDataset:
 
 
 class DistributedBatchIterator:
-    """Endless batches for one data-parallel rank, resumable exactly.
+    """Endless batches for one data-parallel rank, resumable exactly, on any number of ranks.
 
     Each epoch shuffles the whole dataset with a permutation seeded by (seed, epoch), the same
-    on every rank; rank r takes every dp_world-th sample of it, starting at r, so ranks see
-    disjoint samples. With drop_last (the default) the epoch is cut to a whole number of global
-    batches; without it, the permutation is extended by its own start so that every sample is
-    seen and every batch is still full. All ranks make the same number of steps per epoch.
+    on every rank, and serves it as one global stream: sample k of the stream has the global
+    index epoch * epoch_length + k (its "sample key", which keys its random draws). Rank r
+    takes every dp_world-th sample, starting at r, so ranks see disjoint samples and any split
+    of an optimizer step's global batch (batch_size x grad_accum x dp_world) covers the same
+    consecutive keys. With drop_last (the default) the epoch is cut to a whole number of
+    optimizer steps; without it, the permutation is extended by its own start so that every
+    sample is seen and every batch is still full. All ranks make the same number of steps.
 
-    Raises ValueError at construction if an epoch would hold no batch.
+    Raises ValueError at construction if an epoch would hold no step.
     """
 
     def __init__(self, dataset, *, batch_size: int, dp_rank: int, dp_world: int, seed: int,
-                 drop_last: bool = True):
+                 drop_last: bool = True, grad_accum: int = 1):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if not 0 <= dp_rank < dp_world:
@@ -236,14 +239,16 @@ class DistributedBatchIterator:
         self.dp_world = int(dp_world)
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
-        global_batch = self.batch_size * self.dp_world
+        step_samples = self.batch_size * self.dp_world * grad_accum
         count = len(dataset)
-        self.batches_per_epoch = count // global_batch if drop_last else math.ceil(count / global_batch)
-        if self.batches_per_epoch == 0:
+        steps = count // step_samples if drop_last else math.ceil(count / step_samples)
+        if steps == 0:
             raise ValueError(
-                f"{count} samples make no full global batch of {global_batch} "
-                f"(batch_size {batch_size} x dp_world {dp_world}); use more data or drop_last=False"
-            )
+                f"{count} samples make no full global batch of {step_samples} (batch_size "
+                f"{batch_size} x gradient accumulation {grad_accum} x dp_world {dp_world}); use "
+                f"more data or drop_last=False")
+        self.batches_per_epoch = steps * grad_accum
+        self.epoch_length = steps * step_samples  # samples of the global stream per epoch
         self.epoch = 0
         self.position = 0  # batches already served in this epoch
         self._epoch_indices: tuple[int, np.ndarray] | None = None
@@ -251,20 +256,22 @@ class DistributedBatchIterator:
     def _indices_for_epoch(self, epoch: int) -> np.ndarray:
         if self._epoch_indices is None or self._epoch_indices[0] != epoch:
             order = np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
-            needed = self.batches_per_epoch * self.batch_size * self.dp_world
-            order = np.resize(order, needed)  # cuts, or wraps around to fill the last batch
+            order = np.resize(order, self.epoch_length)  # cuts, or wraps to fill the last step
             self._epoch_indices = (epoch, order[self.dp_rank :: self.dp_world])
         return self._epoch_indices[1]
 
     def next_batch(self) -> dict:
         """The next batch of this rank: {"latents" [B, C, T, H, W], "text" [B, L, D],
         "text_mask" bool [B, L], "first_frame" [B, C, 1, H, W] or None, "captions",
-        "ids", "indices" (dataset positions)}; tensors float32 except the mask."""
+        "ids", "indices" (dataset positions), "sample_keys" (global stream indices)};
+        tensors float32 except the mask."""
         if self.position >= self.batches_per_epoch:
             self.epoch += 1
             self.position = 0
         start = self.position * self.batch_size
         indices = self._indices_for_epoch(self.epoch)[start : start + self.batch_size]
+        stream = (start + np.arange(len(indices))) * self.dp_world + self.dp_rank
+        keys = self.epoch * self.epoch_length + stream
         self.position += 1
         items = [self.dataset[int(i)] for i in indices]
         frames = [item["first_frame"] for item in items]
@@ -276,6 +283,7 @@ class DistributedBatchIterator:
             "captions": [item["caption"] for item in items],
             "ids": [item["id"] for item in items],
             "indices": [int(i) for i in indices],
+            "sample_keys": [int(k) for k in keys],
         }
 
     def __iter__(self):
@@ -285,36 +293,50 @@ class DistributedBatchIterator:
         return self.next_batch()
 
     def state_dict(self) -> dict:
-        """The cursor as a JSON-serialisable dict: enough to continue with the same batches."""
+        """The cursor as a JSON-serialisable dict: enough to continue with the same batches.
+        Its position is global (samples_in_epoch of the whole stream), so any rank's cursor
+        resumes every rank of another split."""
         return {
             "epoch": self.epoch,
             "position": self.position,
+            "samples_in_epoch": self.position * self.batch_size * self.dp_world,
             "seed": self.seed,
             "dp_rank": self.dp_rank,
             "dp_world": self.dp_world,
             "dataset_size": len(self.dataset),
             "batch_size": self.batch_size,
+            "epoch_length": self.epoch_length,
             "drop_last": self.drop_last,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from a saved cursor: the next batches are those the saved iterator would
-        have produced (its seed is adopted).
+        """Continue from a saved cursor: the next samples of the global stream are those the
+        saved run would have served next (its seed is adopted), whatever the saved run's
+        dp_world and batch_size were.
 
-        Raises ValueError if the saved dp_world, dp_rank, dataset size, batch size or
-        drop_last differ from this iterator's: the saved position would mean other samples.
+        Raises ValueError if the dataset size or drop_last differ, if the epoch was cut at
+        another length (another global batch: the epochs hold other samples), or if the saved
+        position does not fall on a batch boundary of this split.
         """
         mine = self.state_dict()
-        for key in ("dp_world", "dp_rank", "dataset_size", "batch_size", "drop_last"):
+        for key in ("dataset_size", "drop_last", "epoch_length"):
             if key in state and state[key] != mine[key]:
                 raise ValueError(
                     f"data cursor was saved with {key}={state[key]} but this run has "
-                    f"{key}={mine[key]}; the saved position cannot be resumed exactly"
-                )
-        for key in ("dp_world", "dp_rank", "dataset_size", "epoch", "position", "seed"):
+                    f"{key}={mine[key]}; the saved position cannot be resumed exactly (the "
+                    f"global batch, or the data, changed)")
+        for key in ("dp_world", "dataset_size", "epoch", "position", "seed", "batch_size"):
             if key not in state:
                 raise ValueError(f"data cursor state lacks {key!r}: {sorted(state)}")
+        samples = int(state.get("samples_in_epoch",
+                                state["position"] * state["batch_size"] * state["dp_world"]))
+        per_batch = self.batch_size * self.dp_world
+        if samples % per_batch:
+            raise ValueError(
+                f"the saved data position ({samples} samples into epoch {state['epoch']}) is "
+                f"not a whole number of batches of {per_batch} (batch_size {self.batch_size} "
+                f"x dp_world {self.dp_world}); resume with a split that divides it")
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
-        self.position = int(state["position"])
+        self.position = samples // per_batch
         self._epoch_indices = None

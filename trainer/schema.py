@@ -159,7 +159,11 @@ SECTIONS: dict[str, list[Arg]] = {
     ],
     "distributed": [
         Arg("hybrid_shard", "bool", False,
-            "FSDP2 hybrid shard: shard within a node, replicate across nodes."),
+            "FSDP2 hybrid shard (HSDP): shard parameters within a group of ranks (a node by "
+            "default), replicate across groups. false: shard over every rank."),
+        Arg("shard_group_size", "int", None,
+            "With hybrid_shard: ranks per shard group (null: the ranks of one node). A "
+            "multiple of cp_size that divides the world size.", nullable=True),
         Arg("cp_size", "int", 1,
             "Ulysses context-parallel degree; the world splits as dp x cp. Must divide the "
             "world size and num_attention_heads."),

@@ -56,13 +56,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: ResolvedArgs) -> int:
     """Train one stage to max_steps (or until preempted). Returns the process exit code."""
-    topo = init_distributed(args.cp_size, args.dist_backend)
+    topo = init_distributed(args.cp_size, args.dist_backend, hybrid_shard=args.hybrid_shard,
+                            shard_group_size=args.shard_group_size)
     out = Path(args.output_dir)
     result = {"status": "failed", "step": 0, "last_checkpoint": None, "error": None}
     try:
-        if args.cp_size > 1 or args.hybrid_shard:
-            raise ConfigError("cp_size > 1 and hybrid_shard are not implemented yet in this "
-                              "version of relay. Use cp_size: 1 and hybrid_shard: false.")
+        if args.cp_size > 1:
+            raise ConfigError("cp_size > 1 (Ulysses context parallel) is not implemented yet in "
+                              "this version of relay. Use cp_size: 1.")
         if topo.is_main:
             out.mkdir(parents=True, exist_ok=True)
         barrier()
@@ -99,7 +100,8 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
         write_json(out / "launch-manifest.json", manifest)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     stage = build_stage(args, topo)
-    # Noise, caption drop and conditioning draws differ per rank.
+    # Training draws are keyed by sample (trainer.sample_draws); what still uses the global
+    # generator (Stage2's rollout noise) differs per rank.
     torch.manual_seed(args.seed + 1_000_003 * (topo.rank + 1))
     manager = ckpt.CheckpointManager(out, save_total_limit=args.save_total_limit,
                                      async_save=args.async_checkpoint)
@@ -152,11 +154,16 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
 
 
 def _validate(stage, args: ResolvedArgs, step: int, out: Path, topo: Topology) -> dict:
-    """Rank 0 samples and scores; a failure is logged, never fatal to training."""
+    """Rank 0 samples, scores and writes; a failure is logged, never fatal to training.
+
+    A sharded model needs every rank in each forward (the blocks' all-gathers), so then every
+    rank samples the same seeded captions and only rank 0 keeps the files.
+    """
     scores: dict = {}
-    if topo.is_main:
+    if topo.is_main or topo.fsdp_mesh is not None:
         try:
-            scores = run_validation(stage, args, step, out, stage.data.dataset.latent_shape)
+            scores = run_validation(stage, args, step, out, stage.data.dataset.latent_shape,
+                                    write=topo.is_main)
         except Exception:
             log.exception("validation at step %d failed; training goes on", step)
     barrier()

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from trainer.distributed import total_norm_value
+
 
 class NonFiniteError(RuntimeError):
     """A loss or gradient norm that is not finite; raised before the optimizer step."""
@@ -88,7 +90,7 @@ def clip_and_check(step: int, model: nn.Module, loss: float, max_grad_norm: floa
     """Clip gradients (0 = measure only) and raise if loss or norm is not finite."""
     params = [p for p in model.parameters() if p.grad is not None]
     limit = max_grad_norm if max_grad_norm > 0 else float("inf")
-    norm = float(torch.nn.utils.clip_grad_norm_(params, limit)) if params else 0.0
+    norm = total_norm_value(torch.nn.utils.clip_grad_norm_(params, limit)) if params else 0.0
     check_finite(step, loss=loss, grad_norm=norm)
     return norm
 

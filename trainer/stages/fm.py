@@ -8,34 +8,29 @@ image_cond_prob / video_cond_prob the first 1 / video_cond_frames latent frames 
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
 from trainer import flow
+from trainer.distributed import gradient_sync, mean_across_ranks
+from trainer.sample_draws import SampleDraws
 from trainer.stages.base import (Stage, WarmStartSource, autocast_context, batch_to_device, clip_and_check,
                                   learning_rates)
 
 
-def sample_condition_frames(batch_size: int, num_frames: int, *, image_prob: float,
-                            video_prob: float, video_frames: int,
-                            generator: torch.Generator | None = None) -> torch.Tensor:
-    """Per sample, how many leading latent frames are given clean (0, 1 or video_frames)."""
-    u = torch.rand(batch_size, generator=generator)
-    clean = torch.zeros(batch_size, dtype=torch.long)
+def sample_condition_frames(u: torch.Tensor, num_frames: int, *, image_prob: float,
+                            video_prob: float, video_frames: int) -> torch.Tensor:
+    """Per sample, how many leading latent frames are given clean (0, 1 or video_frames), from
+    one uniform draw per sample `u` [B]."""
+    clean = torch.zeros(u.shape[0], dtype=torch.long, device=u.device)
     clean[u < image_prob] = 1
     clean[(u >= image_prob) & (u < image_prob + video_prob)] = min(video_frames, num_frames - 1)
     return clean
 
 
 def drop_captions(text: torch.Tensor, mask: torch.Tensor, null_text: torch.Tensor,
-                  null_mask: torch.Tensor, prob: float,
-                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Replace each sample's caption by the null caption with probability `prob`."""
-    if prob <= 0:
-        return text, mask
-    drop = torch.rand(text.shape[0], generator=generator) < prob
+                  null_mask: torch.Tensor, drop: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replace the captions of the samples where `drop` [B] is True by the null caption."""
     drop = drop.to(text.device)
     text = torch.where(drop[:, None, None], null_text.to(text)[None], text)
     mask = torch.where(drop[:, None], null_mask.to(mask.device)[None], mask)
@@ -43,29 +38,37 @@ def drop_captions(text: torch.Tensor, mask: torch.Tensor, null_text: torch.Tenso
 
 
 def fm_loss(model: nn.Module, batch: dict, args, null_text: torch.Tensor,
-            null_mask: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, dict]:
-    """The FM loss of one micro-batch (§3.2) and a few diagnostics."""
+            null_mask: torch.Tensor, num_tokens: int,
+            draws: SampleDraws | None = None) -> tuple[torch.Tensor, dict]:
+    """The FM loss of one micro-batch (§3.2) and a few diagnostics.
+
+    draws: the micro-batch's per-sample generators (trainer.sample_draws); without them
+    (the kernel warm-up) the samples are keyed 0..B-1 at step 0.
+    """
     x0 = batch["latents"]
     device = x0.device
     b, _, t_frames = x0.shape[:3]
-    text, mask = drop_captions(batch["text"], batch["text_mask"], null_text, null_mask,
-                               args.cfg_drop_prob)
-    sigma = flow.sample_training_sigma(
-        b, snr_type=args.flow_snr_type, lognorm_loc=args.flow_lognorm_loc,
+    if draws is None:
+        draws = SampleDraws(args.seed, 0, range(b), device)
+    # One fixed order of draws per sample: caption drop, sigma, conditioning, noise.
+    drop = draws.uniform() < args.cfg_drop_prob
+    text, mask = drop_captions(batch["text"], batch["text_mask"], null_text, null_mask, drop)
+    sigma = draws.stack(lambda g: flow.sample_training_sigma(
+        1, snr_type=args.flow_snr_type, lognorm_loc=args.flow_lognorm_loc,
         lognorm_scale=args.flow_lognorm_scale, mode_scale=args.flow_mode_scale,
         mix_uniform_ratio=args.flow_mix_uniform_ratio, shift=args.train_timestep_shift,
         shift_mode=args.train_timestep_shift_mode, num_tokens=num_tokens,
         dynamic_base_tokens=args.dynamic_shift_base_tokens,
         dynamic_max_tokens=args.dynamic_shift_max_tokens,
         dynamic_base_shift=args.dynamic_shift_base, dynamic_max_shift=args.dynamic_shift_max,
-    ).to(device)
-    clean = sample_condition_frames(b, t_frames, image_prob=args.image_cond_prob,
+        generator=g, device=g.device)[0]).to(device)
+    clean = sample_condition_frames(draws.uniform(), t_frames, image_prob=args.image_cond_prob,
                                     video_prob=args.video_cond_prob,
                                     video_frames=args.video_cond_frames).to(device)
     frame_idx = torch.arange(t_frames, device=device)
     frame_mask = frame_idx[None, :] >= clean[:, None]              # [B, T]: frames in the loss
     sigma_frames = sigma[:, None] * frame_mask.float()             # clean frames at t = 0
-    noise = torch.randn_like(x0)
+    noise = draws.normal_like(x0)
     x_t = flow.interpolate(x0, noise, sigma_frames)
     pred = model(x_t, flow.NUM_TRAIN_TIMESTEPS * sigma_frames, text, mask)
     weight = None
@@ -85,7 +88,8 @@ class FlowMatchingStage(Stage):
                  data, args, text_encoder, device: torch.device, dp_rank: int = 0,
                  dp_world: int = 1):
         self.model = model                    # the bare module (checkpoints, sampling)
-        self.train_model = train_model        # what runs forward/backward (DDP-wrapped or bare)
+        self.train_model = train_model        # what runs forward/backward (the model, or
+                                              # Stage1's teacher-forcing view of it)
         self.roles = {"transformer": model}
         self.optimizers = {"transformer": optimizer}
         self.schedulers = {"transformer": scheduler}
@@ -110,14 +114,13 @@ class FlowMatchingStage(Stage):
             batch = batch_to_device(self.data.next_batch(), self.device)
             samples += batch["latents"].shape[0]
             self.tokens_per_sample = self.num_tokens(batch)
-            sync = micro == accum - 1 or not hasattr(self.train_model, "no_sync")
-            ctx = self.train_model.no_sync() if not sync else contextlib.nullcontext()
-            with ctx:
+            with gradient_sync(self.model, enabled=micro == accum - 1):
                 with autocast_context(self.device, args.dtype):
-                    loss, micro_stats = self.micro_batch_loss(batch, micro)
+                    loss, micro_stats = self.micro_batch_loss(batch, micro, self.draws(batch, step))
                 (loss / accum).backward()
             total += float(loss.detach()) / accum
             stats.append(micro_stats)
+        total = mean_across_ranks(total)
         grad_norm = clip_and_check(step, self.model, total, args.max_grad_norm)
         lrs = learning_rates(optimizer)  # the LRs this step uses (the scheduler moves them on)
         optimizer.step()
@@ -128,10 +131,15 @@ class FlowMatchingStage(Stage):
         return {"loss": total, "grad_norm": grad_norm, **lrs, "samples": samples,
                 **self.merge_stats(stats)}
 
-    def micro_batch_loss(self, batch: dict, micro: int) -> tuple[torch.Tensor, dict]:
+    def draws(self, batch: dict, step: int) -> SampleDraws:
+        """The per-sample generators of a batch at `step`, keyed by its global sample indices."""
+        return SampleDraws(self.args.seed, step, batch["sample_keys"], self.device)
+
+    def micro_batch_loss(self, batch: dict, micro: int,
+                         draws: SampleDraws) -> tuple[torch.Tensor, dict]:
         """The loss of one micro-batch (index `micro` within the step) and its diagnostics."""
         return fm_loss(self.train_model, batch, self.args, self.null_text, self.null_mask,
-                       self.tokens_per_sample)
+                       self.tokens_per_sample, draws)
 
     @staticmethod
     def merge_stats(stats: list[dict]) -> dict:
