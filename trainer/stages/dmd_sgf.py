@@ -293,7 +293,7 @@ class DMDSGFStage(Stage):
             with torch.no_grad():
                 student = ro.CachedStudent(self.student, text, mask)
                 rollout = ro.simulate_rollout(student, noise, self.sigmas, exit_index,
-                                              anchor=anchor, anchored=anchored)
+                                              anchor=anchor, anchored=anchored, generator=draws)
             if not with_grad:
                 return rollout.output, ro.loss_frame_mask(anchored, b, frames,
                                                                   x0.device), exit_index
