@@ -170,6 +170,14 @@ SECTIONS: dict[str, list[Arg]] = {
         Arg("enable_gradient_checkpointing", "bool", False,
             "Recompute each transformer block's activations in the backward pass (less memory, "
             "about one more forward of compute)."),
+        Arg("gpu_memory_gib", "float", None,
+            "Memory of one GPU of the partition (H200: 141). When set, a stage whose estimated "
+            "memory per GPU exceeds it is refused before it starts (trainer.memory_estimate).",
+            nullable=True),
+        Arg("expected_latent_shape", "int_list", None,
+            "[C, T, H, W] of a training latent, for the memory estimate where the data is not "
+            "readable (a login node without the dataset); where it is, the two must agree.",
+            nullable=True),
         Arg("dist_backend", "str", "auto", "Process-group backend (auto: nccl on GPU, else gloo).",
             choices=("auto", "nccl", "gloo")),
     ],

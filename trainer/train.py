@@ -29,10 +29,11 @@ from trainer import run_state
 from trainer.args import resolve_args
 from trainer.build import build_stage
 from trainer.distributed import (Topology, any_rank, barrier, destroy, init_distributed,
-                                 world_size_from_env)
+                                 ranks_per_node_from_env, world_size_from_env)
 from trainer.environment import probe_environment
 from trainer.files import write_json
 from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
+from trainer.preflight import describe_plan
 from trainer.schema import ConfigError, ResolvedArgs
 from trainer.stages.base import NonFiniteError
 from trainer.tracking import MetricsWriter, Progress, WandbReporter
@@ -45,12 +46,15 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     try:
         args, dry_run = resolve_args(argv, world_size=world_size_from_env())
+        plan = describe_plan(args, world_size_from_env(), ranks_per_node_from_env())
     except ConfigError as exc:
         print(f"relay: config error: {exc}", file=sys.stderr)
         return 2
     if dry_run:
         print(args.to_json())
+        print(plan, file=sys.stderr)  # stdout stays the JSON
         return 0
+    log.info("%s", plan)
     return run(args)
 
 
