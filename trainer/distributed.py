@@ -253,6 +253,52 @@ def gather_across_ranks(values: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts).to(values.device)
 
 
+def orthogonalize_sharded(updates: list, orthogonalize) -> list:
+    """orthogonalize(full matrix) for FSDP2-sharded matrices (DTensors sharded on dim 0 over
+    one mesh dim, replicated over any other), without every rank doing every matrix.
+
+    Matrix i is owned by rank i mod S of its shard group: the group's rows are gathered there
+    (padded to equal chunks, as FSDP2 chunks dim 0), the owner orthogonalises the whole
+    matrix, and the rows are scattered back. Replicas (hybrid shard) do the same in parallel
+    on identical inputs, so nothing crosses between them. Returns DTensors placed like
+    `updates`, equal to orthogonalising each gathered matrix on one rank.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    directions = []
+    pending = []
+    for index, update in enumerate(updates):
+        dim = next(d for d, place in enumerate(update.placements) if isinstance(place, Shard))
+        if update.placements[dim].dim != 0:
+            raise ValueError(f"expected dim-0 sharding, got {update.placements}")
+        group = update.device_mesh.get_group(dim)
+        size, me = dist.get_world_size(group), dist.get_group_rank(group, dist.get_rank())
+        owner = index % size
+        rows = update.shape[0]
+        chunk = -(-rows // size)
+        local = update.to_local()
+        padded = torch.zeros((chunk, *local.shape[1:]), dtype=local.dtype, device=local.device)
+        padded[: local.shape[0]] = local
+        parts = [torch.empty_like(padded) for _ in range(size)] if me == owner else None
+        dist.gather(padded, parts, group=group, group_dst=owner)
+        pending.append((update, group, size, me, owner, rows, chunk, local.shape[0], parts))
+    for update, group, size, me, owner, rows, chunk, local_rows, parts in pending:
+        scatter = None
+        if me == owner:
+            full = orthogonalize(torch.cat(parts)[:rows])
+            out = torch.zeros((chunk * size, *full.shape[1:]), dtype=full.dtype,
+                              device=full.device)
+            out[:rows] = full
+            scatter = list(out.chunk(size))
+        mine = torch.empty((chunk, *update.shape[1:]), dtype=update.dtype,
+                           device=update.to_local().device)
+        dist.scatter(mine, scatter, group=group, group_src=owner)
+        directions.append(DTensor.from_local(mine[:local_rows].contiguous(), update.device_mesh,
+                                             update.placements, run_check=False,
+                                             shape=update.shape, stride=update.stride()))
+    return directions
+
+
 def broadcast_from_rank0(obj: Any, group: dist.ProcessGroup | None = None) -> Any:
     """Rank 0's `obj` (of `group`) on every rank."""
     if not distributed_active():
