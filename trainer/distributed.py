@@ -31,6 +31,8 @@ class Topology:
     # FSDP2's mesh (dp_replicate, dp_shard_cp): 1-D when there is one replica. None in one
     # process, where nothing is sharded.
     fsdp_mesh: Any = None
+    # This rank's Ulysses group (cp consecutive ranks); None when cp_size is 1.
+    cp_group: Any = None
 
     @property
     def dp_world(self) -> int:
@@ -39,6 +41,10 @@ class Topology:
     @property
     def dp_rank(self) -> int:
         return self.rank // self.cp_size
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank % self.cp_size
 
     @property
     def is_main(self) -> bool:
@@ -108,9 +114,12 @@ def init_distributed(cp_size: int, backend: str = "auto", *, hybrid_shard: bool 
             dist.init_process_group(backend=backend, rank=rank, world_size=world,
                                     timeout=datetime.timedelta(minutes=30))
         mesh = _fsdp_mesh(device, shape)
+    cp_group = None
+    if cp_size > 1:
+        cp_group, _ = dist.new_subgroups(group_size=cp_size)  # consecutive ranks
     return Topology(rank=rank, world_size=world, local_rank=local_rank, cp_size=cp_size,
                     device=device, dp_replicate=shape.dp_replicate, dp_shard=shape.dp_shard,
-                    fsdp_mesh=mesh)
+                    fsdp_mesh=mesh, cp_group=cp_group)
 
 
 def _fsdp_mesh(device: torch.device, shape):
@@ -130,7 +139,8 @@ _FORWARD_METHODS = ("forward_teacher_forcing", "new_kv_cache", "forward_chunk", 
 
 def shard_model(model: torch.nn.Module, topo: Topology) -> torch.nn.Module:
     """FSDP2 (`fully_shard`) over the run's mesh: each transformer block, then the root (the
-    embedders, the head). Returns the same module, now sharded; a no-op in one process.
+    embedders, the head), and Ulysses over the cp group when cp_size > 1. Returns the same
+    module, now sharded; a no-op in one process.
 
     A block is the unit of all-gather: its parameters are gathered just before it runs and
     freed after (reshard_after_forward), so a rank holds the full weights of about one block
@@ -154,6 +164,10 @@ def shard_model(model: torch.nn.Module, topo: Topology) -> torch.nn.Module:
     for name in _FORWARD_METHODS:
         if hasattr(model, name):
             register_fsdp_forward_method(model, name)
+    if topo.cp_group is not None:
+        from trainer import context_parallel
+
+        context_parallel.attach(model, topo.cp_group)
     return model
 
 

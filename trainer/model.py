@@ -45,6 +45,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from trainer import context_parallel
 from trainer.attention import attention, block_causal_mask, teacher_forcing_mask
 from trainer.model_config import DiTConfig
 
@@ -182,7 +183,8 @@ class DiTBlock(nn.Module):
         q, k = apply_rope(q, rotation), apply_rope(k, rotation)
         keys = torch.cat([prefix_k, k], dim=2)
         values = torch.cat([prefix_v, v], dim=2)
-        vid = vid + gate1 * self._merge(attention(q, keys, values, mask, self.cfg.attention_backend))
+        out = context_parallel.attention(self, q, keys, values, mask, self.cfg.attention_backend)
+        vid = vid + gate1 * self._merge(out)
         vid = vid + gate2 * self.mlp(self.norm2(vid) * (1 + scale2) + shift2)
         return vid, k, v
 
@@ -409,6 +411,12 @@ class VideoDiT(nn.Module):
         Returns (head output tokens [B, N, patch values], per-layer detached video (k, v) if
         collect_kv else []).
         """
+        cp = context_parallel.group_of(self)
+        if cp is not None:  # this rank's share of the video tokens (trainer/context_parallel.py)
+            if past is not None or collect_kv:
+                raise NotImplementedError("the KV-cached rollout does not run under cp_size > 1")
+            vid, slot_of_token, positions = context_parallel.split_tokens(
+                cp, vid, slot_of_token, positions)
         rotation = rope_rotation(positions, self.cfg.rope_axes_dim, self.cfg.rope_theta)
         cond = F.silu(cond)
         txt, txt_mask = text if text is not None else (None, None)
@@ -426,7 +434,8 @@ class VideoDiT(nn.Module):
         if slot_of_token is not None:
             final = final.index_select(1, slot_of_token)
         shift, scale = final.chunk(2, dim=-1)
-        return self.head(self.final_norm(vid) * (1 + scale) + shift), collected
+        out = self.head(self.final_norm(vid) * (1 + scale) + shift)
+        return (out if cp is None else context_parallel.gather_tokens(cp, out)), collected
 
     @staticmethod
     def _frame_slots(cond: torch.Tensor, frames: int, tokens_per_frame: int, device) -> torch.Tensor | None:

@@ -86,8 +86,13 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
             raise ConfigError("`report_to: wandb` but the wandb package is not installed. "
                               "pip install wandb, or set report_to: none.") from None
     if args.cp_size > 1:
-        warnings.warn("cp_size > 1 is validated but Ulysses context parallel is not "
-                      "implemented yet: the run will refuse to start. Use cp_size: 1.")
+        _check(args.stage != "dmd_sgf",
+               "cp_size > 1 with stage dmd_sgf: Stage2's KV-cached rollout does not run under "
+               "Ulysses context parallel yet. Use cp_size: 1 for Stage2.")
+        if args.stage == "tf_anyflow" and args.validation_interval >= 0:
+            warnings.warn("cp_size > 1: Stage1's validation samples with the KV-cached rollout, "
+                          "which does not run under cp; validation will fail (and be logged), "
+                          "training goes on. Set validation_interval: -1.")
 
 
 def _validate_paths(args: ResolvedArgs) -> None:
@@ -116,6 +121,12 @@ def _validate_topology(args: ResolvedArgs, world_size: int | None) -> None:
     _check(heads % args.cp_size == 0,
            f"num_attention_heads ({heads}) is not divisible by cp_size ({args.cp_size}). Ulysses "
            f"splits heads across the cp group: pick a cp_size that divides {heads}.")
+    if args.cp_size > 1:
+        video = _video_tokens(args, model_config(args))
+        _check(video is None or video % args.cp_size == 0,
+               f"cp_size {args.cp_size} does not divide the {video} video tokens of a sample: "
+               f"Ulysses gives every cp rank the same number of tokens. Pick a cp_size that "
+               f"divides {video}.")
     if world_size is None:
         return
     if args.hybrid_shard and args.shard_group_size is None:

@@ -143,7 +143,8 @@ def save(manager: ckpt.CheckpointManager, args: ResolvedArgs, topo: Topology, st
     path = manager.save(step, members=stage_members(stage), training_state=training_state,
                         dataloader_state=stage.data.state_dict(), dp_rank=topo.dp_rank,
                         dp_world=topo.dp_world, world_size=topo.world_size,
-                        cp_size=args.cp_size, config_digest=args.digest(),
+                        cp_size=args.cp_size, cp_rank=topo.cp_rank,
+                        config_digest=args.digest(),
                         model_config=model_config(args),
                         extra_files={"resolved-config.json": json.dumps(dict(args), indent=2)})
     return str(path)

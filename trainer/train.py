@@ -65,9 +65,6 @@ def run(args: ResolvedArgs) -> int:
     out = Path(args.output_dir)
     result = {"status": "failed", "step": 0, "last_checkpoint": None, "error": None}
     try:
-        if args.cp_size > 1:
-            raise ConfigError("cp_size > 1 (Ulysses context parallel) is not implemented yet in "
-                              "this version of relay. Use cp_size: 1.")
         if topo.is_main:
             out.mkdir(parents=True, exist_ok=True)
         barrier()
