@@ -1,6 +1,7 @@
 """What splitting a run over processes costs: step time of one global batch at 1, 2 and 4 ranks.
 
-    python benchmarks/scaling.py [--steps 20] [--global-batch 8] [--json benchmarks/results/scaling.json]
+    python benchmarks/scaling.py [--steps 20] [--global-batch 8]
+                                 [--json benchmarks/results/scaling.json]
 
 CPU part (this file): the tiny pretrain (config/tiny/pretrain.yaml, a smaller model as in the
 integration tests) run by train.py itself, with the same global batch split as one process,
@@ -33,6 +34,11 @@ MODEL = ("{hidden_size: 64, num_attention_heads: 4, num_layers: 4, rope_axes_dim
          "text_dim: 32, patch_size: [1, 4, 4], in_channels: 3}")
 
 
+def _pythonpath() -> str:
+    """This checkout first, then whatever the caller's environment already had."""
+    return os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -50,7 +56,7 @@ def run_split(out: Path, data: Path, ranks: int, batch: int, steps: int, *extra:
     launcher = [sys.executable, script] if ranks == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
         str(ranks), "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), script]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": _pythonpath()}
     proc = subprocess.run(launcher + args, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-4000:])

@@ -36,6 +36,11 @@ def test_parameter_count_is_the_real_models(overrides):
     assert model_parameters(cfg) == sum(p.numel() for p in model.parameters())
 
 
+def _pythonpath() -> str:
+    """This checkout first, then whatever the caller's environment already had."""
+    return os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+
+
 def test_mesh_splits_hybrid_shard_by_node_or_explicit_group():
     full = plan_mesh(16, cp_size=2, hybrid_shard=False, shard_group_size=None, ranks_per_node=8)
     assert (full.dp_replicate, full.dp_shard, full.cp, full.shard_group) == (1, 8, 2, 16)
@@ -86,7 +91,7 @@ def test_the_production_pretrain_fits_an_h200_only_with_its_context_parallel_spl
 
 
 def _dry_run(*extra: str, **env: str) -> subprocess.CompletedProcess:
-    environ = {**os.environ, "PYTHONPATH": str(REPO), **env}
+    environ = {**os.environ, "PYTHONPATH": _pythonpath(), **env}
     return subprocess.run([sys.executable, str(REPO / "trainer" / "train.py"), "--config", TINY,
                            "--output_dir", "/tmp/unused", "--dry-run", *extra],
                           capture_output=True, text=True, env=environ, timeout=120)

@@ -30,6 +30,11 @@ STEPS = 6
 RTOL = 1e-4
 
 
+def _pythonpath() -> str:
+    """This checkout first, then whatever the caller's environment already had."""
+    return os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -38,7 +43,7 @@ def _free_port() -> int:
 
 def _env() -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": str(REPO)}
+           "PYTHONPATH": _pythonpath()}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                 "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID", "WANDB_API_KEY"):
         env.pop(key, None)
@@ -59,7 +64,8 @@ def train(out: Path, data: Path, ranks: int, *extra: str, config: str = "pretrai
         str(ranks), "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), script]
     proc = subprocess.run(launcher + args, cwd=REPO, env=_env(), capture_output=True, text=True,
                           timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    errors = [line for line in proc.stderr.splitlines() if "Error" in line or "ERROR" in line]
+    assert proc.returncode == 0, "\n".join(errors[:20]) + proc.stderr[-3000:]
     return proc
 
 

@@ -15,6 +15,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _pythonpath() -> str:
+    """This checkout first, then whatever the caller's environment already had."""
+    return os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -23,7 +28,7 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("ranks, replicas", [(2, 1), (4, 2)])
 def test_sharded_muon_matches_unsharded_and_splits_the_matrices(tmp_path, ranks, replicas):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": _pythonpath()}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
          str(ranks), "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
