@@ -354,6 +354,7 @@ def test_gradient_checkpointing_gives_the_same_gradients_from_fewer_saved_activa
     plain = tiny(num_layers=3).train()
     checkpointed = prepare_for_training(
         copy.deepcopy(plain), SimpleNamespace(enable_gradient_checkpointing=True,
+                                              use_dedicated_gradient_checkpointing=False,
                                               compile_transformer=False))
     # Parameter names stay as they were: checkpoints and warm starts do not see it.
     assert list(checkpointed.state_dict()) == list(plain.state_dict())
@@ -365,3 +366,44 @@ def test_gradient_checkpointing_gives_the_same_gradients_from_fewer_saved_activa
         torch.testing.assert_close(ckpt_grads[name], grad, rtol=0, atol=1e-12, msg=name)
     # Only each block's inputs stay alive through the forward, not its inner activations.
     assert ckpt_saved < plain_saved / 3, (ckpt_saved, plain_saved)
+
+
+def _attention_kernel_calls(model, x, t, text) -> int:
+    """How many times the attention kernel runs in one forward + backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "scaled_dot_product" in str(func) and "backward" not in str(func):
+                Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        model(x, t, text).square().mean().backward()
+    return Count.calls
+
+
+def test_selective_checkpointing_keeps_attention_outputs_and_the_same_gradients():
+    from types import SimpleNamespace
+
+    from trainer.build import prepare_for_training
+
+    def prepared(selective: bool):
+        return prepare_for_training(copy.deepcopy(plain), SimpleNamespace(
+            enable_gradient_checkpointing=True, use_dedicated_gradient_checkpointing=selective,
+            compile_transformer=False))
+
+    plain = tiny(num_layers=3).train()
+    x, t, text = inputs()
+    plain_saved, plain_grads = _saved_bytes_and_grads(plain, x, t, text)
+    selective_saved, selective_grads = _saved_bytes_and_grads(prepared(True), x, t, text)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(selective_grads[name], grad, rtol=0, atol=1e-12, msg=name)
+    assert selective_saved < plain_saved / 3, (selective_saved, plain_saved)  # the rest recomputed
+    # Full checkpointing runs every attention twice (forward, recompute); selective keeps the
+    # outputs, so attention runs once, as without checkpointing.
+    once = _attention_kernel_calls(plain, x, t, text)
+    assert _attention_kernel_calls(prepared(False), x, t, text) == 2 * once
+    assert _attention_kernel_calls(prepared(True), x, t, text) == once

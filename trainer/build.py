@@ -43,20 +43,46 @@ def prepare_for_training(model: torch.nn.Module, args: ResolvedArgs) -> torch.nn
 
     enable_gradient_checkpointing recomputes each block's activations in the backward pass
     (torch's composable `checkpoint`: it hooks the block's forward and keeps parameter names,
-    so checkpoints and warm starts do not see it). compile_transformer compiles the blocks'
+    so checkpoints and warm starts do not see it); use_dedicated_gradient_checkpointing
+    makes it selective: attention outputs are kept, everything else is recomputed. compile_transformer compiles the blocks'
     two streams. Training and the kernel warm-up both come through here, so they compile the
     same graphs and the warm-up measures the memory training will need (docs/kernels.md).
     """
     if args.enable_gradient_checkpointing:
         from torch.distributed._composable import checkpoint
 
+        options = {}
+        if args.use_dedicated_gradient_checkpointing:
+            options["context_fn"] = _keep_attention_outputs
         for block in model.blocks:
-            checkpoint(block)
+            checkpoint(block, **options)
     if args.compile_transformer:
         from trainer.model import compile_transformer_blocks
 
         compile_transformer_blocks(model)
     return model
+
+
+# Attention kernels, the one part of a block whose recompute costs more than its memory: the
+# selective policy keeps their outputs (the fused kernels' logsumexp/seeds come with them).
+_ATTENTION_OPS = tuple(
+    getattr(torch.ops.aten, name) for name in (
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_flash_attention_forward", "_efficient_attention_forward")
+    if hasattr(torch.ops.aten, name))
+
+
+def _keep_attention_outputs():
+    """Selective checkpointing contexts: save attention outputs, recompute every other op."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        if getattr(op, "overloadpacket", op) in _ATTENTION_OPS:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def build_text_encoder(args: ResolvedArgs):

@@ -11,8 +11,11 @@ What is counted, per rank (P = parameters of one model, S = ranks of a shard gro
   one prefetched, plus that block's unsharded fp32 gradient before its reduce-scatter.
 - activations of the trained forward at the configured sequence (video + caption tokens,
   Stage1/Stage2 teacher forcing holds clean and noisy video), video tokens divided by cp
-  (Ulysses splits them; the caption stream runs whole on every cp rank): ACT_BYTES bytes per token x hidden per block without checkpointing; with it, only
-  each block's input (CKPT_BYTES) plus one block's full activations during its recompute.
+  (Ulysses splits them; the caption stream runs whole on every cp rank): ACT_BYTES bytes
+  per token x hidden per block without checkpointing; with it, only each block's input
+  (CKPT_BYTES) plus one block's full activations during its recompute; selective
+  checkpointing adds each block's attention output (ATTENTION_BYTES, bf16: counted, not
+  calibrated).
 
 The two activation constants are calibrated, not derived: they reproduce the step peaks
 measured on one H200 at the Wan-1.3B size (32,760 video tokens, batch 1, bf16, SDPA): 111 GiB
@@ -31,6 +34,7 @@ GIB = 2**30
 TIME_FREQ_DIM = 256   # trainer.model.TIME_FREQ_DIM (the sinusoidal timestep features)
 ACT_BYTES = 60.0      # saved bytes per token x hidden_size per block, no checkpointing (bf16)
 CKPT_BYTES = 9.0      # kept per token x hidden_size per block under full checkpointing
+ATTENTION_BYTES = 2.0  # selective checkpointing also keeps each block's bf16 attention output
 OVERHEAD_GIB = 2.0    # CUDA context, allocator fragmentation, communication buffers
 
 
@@ -97,7 +101,8 @@ class MemoryEstimate:
 
 def estimate_memory(cfg: dict, *, stage: str, use_muon: bool, use_ema: bool,
                     shard_group: int, cp: int, batch_per_rank: int, video_tokens: int,
-                    text_tokens: int, checkpointing: bool) -> MemoryEstimate:
+                    text_tokens: int, checkpointing: bool,
+                    selective: bool = False) -> MemoryEstimate:
     """The memory one GPU needs for a step of `stage` (see the module docstring)."""
     p = model_parameters(cfg)
     per_block = block_parameters(cfg)
@@ -130,13 +135,20 @@ def estimate_memory(cfg: dict, *, stage: str, use_muon: bool, use_ema: bool,
     tokens = batch_per_rank * (math.ceil(video / cp) + text_tokens)
     unit = tokens * h / GIB
     if checkpointing:
-        acts = unit * (CKPT_BYTES * layers + ACT_BYTES)
-        how = f"({CKPT_BYTES:g} B x {layers} blocks + {ACT_BYTES:g} B for the recomputed one)"
+        kept = CKPT_BYTES + (ATTENTION_BYTES if selective else 0.0)
+        acts = unit * (kept * layers + ACT_BYTES)
+        how = f"({kept:g} B x {layers} blocks + {ACT_BYTES:g} B for the recomputed one)"
     else:
         acts = unit * ACT_BYTES * layers
         how = f"{ACT_BYTES:g} B x {layers} blocks"
     lines.append(f"  activations: {tokens} tokens per rank (batch {batch_per_rank} x ({video} "
                  f"video / cp {cp} + {text_tokens} caption)) x hidden {h} x {how} = "
-                 f"{acts:.2f} GiB ({'with' if checkpointing else 'without'} checkpointing)")
+                 f"{acts:.2f} GiB ({_checkpointing_name(checkpointing, selective)})")
     lines.append(f"  overhead: {OVERHEAD_GIB:g} GiB")
     return MemoryEstimate(states, working, acts, OVERHEAD_GIB, tuple(lines))
+
+
+def _checkpointing_name(checkpointing: bool, selective: bool) -> str:
+    if not checkpointing:
+        return "without checkpointing"
+    return "selective checkpointing" if selective else "with checkpointing"

@@ -76,6 +76,10 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
             _check(repeat >= 1, f"data_path: repeat count of {directory} must be >= 1, got {repeat}.")
     if check_paths:
         _validate_paths(args)
+    _check(args.enable_gradient_checkpointing or not args.use_dedicated_gradient_checkpointing,
+           "`use_dedicated_gradient_checkpointing` is true but `enable_gradient_checkpointing` "
+           "is false, so it would be ignored. Set enable_gradient_checkpointing: true (it "
+           "selects which activations the checkpointed blocks keep), or turn it off.")
     _validate_model_overrides(args)
     _validate_topology(args, world_size)
     stage_checks.validate_stage(args)
@@ -171,7 +175,8 @@ def describe_plan(args: ResolvedArgs, world_size: int, ranks_per_node: int | Non
         cfg, stage=args.stage, use_muon=args.use_muon, use_ema=args.use_ema,
         shard_group=mesh.shard_group, cp=mesh.cp, batch_per_rank=args.train_batch_size,
         video_tokens=video or 0, text_tokens=args.text_max_tokens,
-        checkpointing=args.enable_gradient_checkpointing)
+        checkpointing=args.enable_gradient_checkpointing,
+        selective=args.use_dedicated_gradient_checkpointing)
     lines = [f"topology: {mesh.describe()}",
              f"global batch: train_batch_size {args.train_batch_size} x gradient accumulation "
              f"{accum} x dp {mesh.dp_world} = {global_batch} samples a step",

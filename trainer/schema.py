@@ -170,6 +170,9 @@ SECTIONS: dict[str, list[Arg]] = {
         Arg("enable_gradient_checkpointing", "bool", False,
             "Recompute each transformer block's activations in the backward pass (less memory, "
             "about one more forward of compute)."),
+        Arg("use_dedicated_gradient_checkpointing", "bool", False,
+            "With enable_gradient_checkpointing: selective, per op: keep the attention outputs, "
+            "recompute the rest (more memory than full checkpointing, less recompute)."),
         Arg("gpu_memory_gib", "float", None,
             "Memory of one GPU of the partition (H200: 141). When set, a stage whose estimated "
             "memory per GPU exceeds it is refused before it starts (trainer.memory_estimate).",

@@ -203,3 +203,13 @@ def _same_losses_on_one_and_two_ranks(runs, tmp_path, config, model, extra, spli
     keys = ("loss", "grad_norm") if config == "stage1" else ("critic_loss", "critic_grad_norm",
                                                               "generator_loss")
     assert_same_trajectory(tmp_path / "two", tmp_path / "one", keys=keys)
+
+
+def test_compiled_blocks_with_selective_checkpointing_under_fsdp2_match_eager(runs, tmp_path):
+    # The order build.py composes them: checkpoint(block), compile its streams, fully_shard.
+    root, data, _ = runs
+    out = tmp_path / "compiled"
+    train(out, data, 2, "--transformer_config_overrides", MODEL, "--train_batch_size", "4",
+          "--compile_transformer", "true", "--enable_gradient_checkpointing", "true",
+          "--use_dedicated_gradient_checkpointing", "true", "--deterministic", "false")
+    assert_same_trajectory(out, root / "one")
