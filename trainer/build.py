@@ -179,8 +179,7 @@ def _dmd_sgf_stage(args: ResolvedArgs, topo: Topology):
         betas=(args.critic_adam_beta1, args.critic_adam_beta2))
     return DMDSGFStage(student, teacher, critic, {"student": student_opt, "critic": critic_opt},
                        {"student": student_sched, "critic": critic_sched}, _ema(args, student),
-                       build_data(args, topo), args, build_text_encoder(args), topo.device,
-                       dp_world=topo.dp_world)
+                       build_data(args, topo), args, build_text_encoder(args), topo.device)
 
 
 def _optimization(args: ResolvedArgs, model: torch.nn.Module, *, max_steps: int,

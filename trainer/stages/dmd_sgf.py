@@ -174,8 +174,7 @@ class DMDSGFStage(Stage):
     # no checkpoint (it has no pretrained_transformer_path / load_transformer_weights).
 
     def __init__(self, student: nn.Module, teacher: nn.Module, critic: nn.Module, optimizers,
-                 schedulers, ema, data, args, text_encoder, device: torch.device,
-                 dp_world: int = 1):
+                 schedulers, ema, data, args, text_encoder, device: torch.device):
         self.student, self.teacher, self.critic = student, teacher, critic
         self.roles = {"student": student, "teacher": teacher, "critic": critic}
         self.optimizers = dict(optimizers)
@@ -185,7 +184,6 @@ class DMDSGFStage(Stage):
         self.args = args
         self.text_encoder = text_encoder
         self.device = device
-        self.dp_world = dp_world
         self.interval = args.generator_update_interval
         self.sigmas = ro.rollout_sigmas(args.dmd_denoising_steps, args.train_timestep_shift,
                                         args.warp_denoising_step)
