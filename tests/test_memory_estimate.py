@@ -112,3 +112,14 @@ def test_dry_run_refuses_a_bad_topology_without_a_traceback():
                     RANK="0", WORLD_SIZE="6", LOCAL_WORLD_SIZE="6")
     assert proc.returncode == 2
     assert "6 / 4 = 1.5 replicas" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_production_pipeline_plans_each_stage_with_its_topology_and_memory():
+    from launcher.pipeline import validate_pipeline
+
+    pipeline = validate_pipeline(REPO / "config" / "pipeline" / "production-example.yaml",
+                                 root="/tmp/relay-unit-root", cwd=REPO, check_paths=False,
+                                 only="pretrain")
+    plan = pipeline.stage("pretrain").plan
+    assert "world 1920 = dp_replicate 240 x dp_shard 4 x cp 2" in plan
+    assert "total ~" in plan and "GiB per GPU" in plan
