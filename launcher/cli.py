@@ -99,6 +99,8 @@ def _print_plan(pipeline) -> None:
         gpus = f" x {r.gpus_per_node} GPUs" if r.gpus_per_node else f" x {r.tasks_per_node} CPU ranks"
         print(f"  {stage.name}: {r.nodes} node(s){gpus} = world {r.world_size}, "
               f"{stage.args.max_steps} steps, time {r.time_min} min{after} -> {stage.output_dir}")
+        for line in stage.plan.splitlines():
+            print(f"    {line}")
     for note in pipeline.notes:
         print(f"  note: {note}")
 

@@ -146,6 +146,7 @@ class StageSpec:
     train_argv: tuple[str, ...]
     args: Any  # trainer.args.ResolvedArgs: the arguments train.py will resolve
     depends_on: tuple[str, ...]
+    plan: str = ""  # topology, global batch and memory per GPU (trainer.preflight.describe_plan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -520,6 +521,7 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
     problem, each prefixed with its stage.
     """
     from trainer.args import resolve_config
+    from trainer.preflight import describe_plan
     from trainer.schema import ConfigError
 
     base = Path(cwd).resolve() if cwd else Path.cwd()
@@ -592,6 +594,7 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
                 warnings.simplefilter("ignore")  # the job prints them; the plan need not
                 args = resolve_config(config_path, overrides, world_size=resources.world_size,
                                       cwd=base, check_paths=check_paths)
+                plan = describe_plan(args, resources.world_size, resources.tasks_per_node)
         except ConfigError as exc:
             problems.append(f"{where}: {exc}")
             continue
@@ -601,7 +604,7 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
         specs.append(StageSpec(
             name=name, config=config_path, overrides=overrides, output_dir=output_dirs[name],
             job_name=job_name, resources=resources, train_argv=tuple(argv), args=args,
-            depends_on=(previous,) if previous else ()))
+            depends_on=(previous,) if previous else (), plan=plan))
         previous = name
 
     if check_paths:

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from trainer.checkpoint import CheckpointIncompatibleError, ModelMember, load_checkpoint
+from trainer.checkpoint import ModelMember, load_checkpoint
 
 WORKER = Path(__file__).resolve().parent / "checkpoint_worker.py"
 
@@ -76,15 +76,12 @@ def test_preemption_flag_on_one_rank_stops_every_rank(two_rank_run):
     assert [r["preemption_agreed"] for r in saved] == [True, True]
 
 
-def test_other_dp_world_on_resume_errors_unless_data_state_is_dropped(two_rank_run):
+def test_other_dp_world_resumes_with_data_rank_0s_cursor(two_rank_run):
     out, saved, _ = two_rank_run
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    with pytest.raises(CheckpointIncompatibleError, match=r"dp_world=2, cp_size=1; this run has dp_world=1"):
-        load_checkpoint(out / "checkpoint-2", {"transformer": ModelMember(model)}, dp_world=1)
     # Model weights reshard from two FSDP shards into one plain module.
-    _, cursor = load_checkpoint(out / "checkpoint-2", {"transformer": ModelMember(model)}, dp_world=1,
-                                resume_data_state=False)
-    assert cursor is None
+    _, cursor = load_checkpoint(out / "checkpoint-2", {"transformer": ModelMember(model)}, dp_world=1)
+    assert cursor == {"rank": 0, "pos": 20}
     for key, value in model.state_dict().items():
         assert torch.equal(value, torch.tensor(saved[0]["weights_at_2"][key]))
 

@@ -369,11 +369,12 @@ class FakeData:
         self.served = 0
 
     def next_batch(self):
+        keys = list(range(self.served * self.batch, (self.served + 1) * self.batch))
         self.served += 1
         text = torch.randn(self.batch, 8, 32, generator=self.g)
         return {"latents": torch.randn(self.batch, 3, 4, 8, 8, generator=self.g),
                 "text": text, "text_mask": torch.ones(self.batch, 8, dtype=torch.bool),
-                "first_frame": None}
+                "first_frame": None, "sample_keys": keys}
 
 
 def stage_args(**overrides):

@@ -17,6 +17,7 @@ from trainer.args import resolve_config
 from trainer.schema import ConfigError
 from trainer.ema import EMA
 from trainer.model import VideoDiT
+from trainer.sample_draws import SampleDraws
 from trainer.stages.tf_anyflow import (
     CONSISTENCY,
     DIFFUSION,
@@ -31,7 +32,7 @@ from trainer.stages.tf_anyflow import (
     bounded_window,
     flowmap_step,
     kind_counts,
-    logical_rank,
+    kinds_at,
     masked_mean_square,
     pair_kinds,
     raw_time_pairs,
@@ -248,16 +249,12 @@ def test_pair_kinds_counts_and_order_do_not_depend_on_world_size(global_batch):
         assert kinds.tolist() == expected, world
 
 
-def test_each_accumulation_micro_batch_is_a_logical_rank():
-    # dp 2 x accum 2, micro-batch 3: logical ranks 0..3 cover the global batch of 12 in order
-    seen = {}
-    for dp_rank in range(2):
-        for micro in range(2):
-            rank, world = logical_rank(dp_rank, 2, 2, micro)
-            assert world == 4
-            seen[rank] = pair_kinds(3, rank, world, 0.5, 0.25)
-    kinds = torch.cat([seen[i] for i in range(4)])
-    assert kinds.tolist() == pair_kinds(12, 0, 1, 0.5, 0.25).tolist()
+def test_kinds_follow_the_place_in_the_global_batch_not_the_split():
+    # dp 2 x accum 2, micro-batch 3, strided keys: any split of keys 0..11 gives each key the
+    # kind it has in one batch of 12
+    whole = pair_kinds(12, 0, 1, 0.5, 0.25)
+    for keys in (torch.arange(0, 12, 2), torch.arange(1, 12, 2), torch.tensor([11, 3, 7])):
+        assert kinds_at(keys, 12, 0.5, 0.25).tolist() == whole[keys].tolist()
 
 
 @pytest.mark.parametrize("sampler", ["v15", "nvlabs"])
@@ -416,7 +413,7 @@ def run_batch_loss(model, *, seed=0, batch_size=4, **overrides):
     null_mask[0] = True
     recorder = RecordingTF(model)
     loss, stats = anyflow_batch_loss(recorder, batch, stage_args(**overrides), null_text, null_mask,
-                                     rank=0, world=1, num_tokens=T * 4)
+                                     num_tokens=T * 4, draws=SampleDraws(seed, 0, range(batch_size)))
     return loss, stats, recorder.calls, batch, null_text
 
 

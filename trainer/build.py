@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from trainer.distributed import Topology, barrier, wrap_for_training
+from trainer.distributed import Topology, barrier, shard_model
 from trainer.schema import ResolvedArgs, model_config
 
 log = logging.getLogger(__name__)
@@ -36,25 +36,57 @@ def build_score_models(args: ResolvedArgs, device: torch.device):
     return prepare_for_training(teacher, args), prepare_for_training(critic, args)
 
 
+def build_trained_model(args: ResolvedArgs, topo: Topology) -> torch.nn.Module:
+    """The run's transformer as training uses it: checkpointing, compile, then FSDP2 over the
+    mesh (fully_shard goes last, around blocks that are already wrapped and compiled)."""
+    return shard_model(prepare_for_training(build_model(args, topo.device), args), topo)
+
+
 def prepare_for_training(model: torch.nn.Module, args: ResolvedArgs) -> torch.nn.Module:
     """Activation checkpointing and torch.compile of the blocks, as the args ask; returns model.
 
     enable_gradient_checkpointing recomputes each block's activations in the backward pass
     (torch's composable `checkpoint`: it hooks the block's forward and keeps parameter names,
-    so checkpoints and warm starts do not see it). compile_transformer compiles the blocks'
+    so checkpoints and warm starts do not see it); use_dedicated_gradient_checkpointing
+    makes it selective: attention outputs are kept, everything else is recomputed. compile_transformer compiles the blocks'
     two streams. Training and the kernel warm-up both come through here, so they compile the
     same graphs and the warm-up measures the memory training will need (docs/kernels.md).
     """
     if args.enable_gradient_checkpointing:
         from torch.distributed._composable import checkpoint
 
+        options = {}
+        if args.use_dedicated_gradient_checkpointing:
+            options["context_fn"] = _keep_attention_outputs
         for block in model.blocks:
-            checkpoint(block)
+            checkpoint(block, **options)
     if args.compile_transformer:
         from trainer.model import compile_transformer_blocks
 
         compile_transformer_blocks(model)
     return model
+
+
+# Attention kernels, the one part of a block whose recompute costs more than its memory: the
+# selective policy keeps their outputs (the fused kernels' logsumexp/seeds come with them).
+_ATTENTION_OPS = tuple(
+    getattr(torch.ops.aten, name) for name in (
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_flash_attention_forward", "_efficient_attention_forward")
+    if hasattr(torch.ops.aten, name))
+
+
+def _keep_attention_outputs():
+    """Selective checkpointing contexts: save attention outputs, recompute every other op."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        if getattr(op, "overloadpacket", op) in _ATTENTION_OPS:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def build_text_encoder(args: ResolvedArgs):
@@ -94,7 +126,8 @@ def build_data(args: ResolvedArgs, topo: Topology, seed_offset: int = 0):
         num_workers=args.packed_dataloader_num_workers,
         prefetch_factor=args.packed_dataloader_prefetch_factor,
         pin_memory=topo.device.type == "cuda",
-        reset_streams=() if args.resume_video_csv else ("video",))
+        reset_streams=() if args.resume_video_csv else ("video",),
+        grad_accum=args.gradient_accumulation_steps)
 
 
 def sample_latent_shape(args: ResolvedArgs) -> tuple[int, int, int, int]:
@@ -127,11 +160,11 @@ def _fm_stage(args: ResolvedArgs, topo: Topology):
     """Pretrain / SFT: one transformer, its optimizer, schedule and EMA."""
     from trainer.stages.fm import FlowMatchingStage, PackedForward
 
-    model = prepare_for_training(build_model(args, topo.device), args)
+    model = build_trained_model(args, topo)
     optimizer, scheduler = build_optimization(args, model, max_steps=args.max_steps)
-    # Packs run through forward_packed; the wrapper makes it the forward that DDP hooks.
+    # Packs run through forward_packed (registered with FSDP2 in trainer.distributed).
     runs = PackedForward(model) if args.packing_token_budget is not None else model
-    return FlowMatchingStage(model, wrap_for_training(runs, topo), optimizer, scheduler,
+    return FlowMatchingStage(model, runs, optimizer, scheduler,
                              build_ema(args, model), build_data(args, topo), args,
                              build_text_encoder(args), topo.device, dp_rank=topo.dp_rank,
                              dp_world=topo.dp_world)
@@ -141,9 +174,9 @@ def _tf_anyflow_stage(args: ResolvedArgs, topo: Topology):
     """Stage1: the causal two-time transformer, trained through its teacher-forcing forward."""
     from trainer.stages.tf_anyflow import TeacherForcingForward, TFAnyFlowStage
 
-    model = prepare_for_training(build_model(args, topo.device), args)
+    model = build_trained_model(args, topo)
     optimizer, scheduler = build_optimization(args, model, max_steps=args.max_steps)
-    return TFAnyFlowStage(model, wrap_for_training(TeacherForcingForward(model), topo), optimizer,
+    return TFAnyFlowStage(model, TeacherForcingForward(model), optimizer,
                           scheduler, build_ema(args, model), build_data(args, topo), args,
                           build_text_encoder(args), topo.device, dp_rank=topo.dp_rank,
                           dp_world=topo.dp_world)
@@ -153,8 +186,9 @@ def _dmd_sgf_stage(args: ResolvedArgs, topo: Topology):
     """Stage2: student, frozen teacher and critic; the student's and the critic's optimizers."""
     from trainer.stages.dmd_sgf import DMDSGFStage, student_updates_through
 
-    student = prepare_for_training(build_model(args, topo.device), args)
-    teacher, critic = build_score_models(args, topo.device)
+    student = build_trained_model(args, topo)
+    # Sharded like the student; the frozen teacher holds no gradient and no optimizer state.
+    teacher, critic = (shard_model(m, topo) for m in build_score_models(args, topo.device))
     # Each schedule counts its own role's updates: the student's runs over the student updates
     # the run will make, the critic's over every outer step.
     student_steps = max(1, student_updates_through(args.max_steps, args.generator_update_interval))
@@ -165,8 +199,7 @@ def _dmd_sgf_stage(args: ResolvedArgs, topo: Topology):
         betas=(args.critic_adam_beta1, args.critic_adam_beta2))
     return DMDSGFStage(student, teacher, critic, {"student": student_opt, "critic": critic_opt},
                        {"student": student_sched, "critic": critic_sched}, build_ema(args, student),
-                       build_data(args, topo), args, build_text_encoder(args), topo.device,
-                       dp_world=topo.dp_world)
+                       build_data(args, topo), args, build_text_encoder(args), topo.device)
 
 
 def build_optimization(args: ResolvedArgs, model: torch.nn.Module, *, max_steps: int,

@@ -632,14 +632,17 @@ def load_checkpoint(
     `resume_data_state` is False: then the data-parallel topology is not checked and the data
     stream restarts (the caller should say so loudly).
 
+    When dp_world differs from the saved one, every rank gets data rank 0's cursor: relay's
+    data position is global (trainer.data), and the iterator converts it to the new split.
+
     Every file read is checked against the checksum COMPLETE records for it: shards as they
     are read (a shard no rank reads whole is hashed from disk afterwards), the small files
     before they are parsed.
 
     Raises CheckpointIncompatibleError (the checkpoint is fine, this run's configuration is
-    not) when a member is absent, a tensor is absent or shaped differently, or dp_world /
-    cp_size differ while resume_data_state is True. Raises CheckpointError (or DCPError) when
-    a checksum does not match, and CheckpointError or another exception when a file is corrupt.
+    not) when a member is absent or a tensor is absent or shaped differently. Raises
+    CheckpointError (or DCPError) when a checksum does not match, and CheckpointError or another
+    exception when a file is corrupt.
     """
     path = Path(path)
     # Stateful members produce their state dicts on every rank, before any rank can fail.
@@ -684,7 +687,8 @@ def load_checkpoint(
         raise CheckpointError(f"{state_file} is not a training state of format {CHECKPOINT_FORMAT}")
     cursor = None
     if resume_data_state:
-        rel = f"{DATALOADER_DIR}/{dp_rank}.json"
+        same_split = read_complete(path)["dp_world"] == dp_world
+        rel = f"{DATALOADER_DIR}/{dp_rank if same_split else 0}.json"
         try:
             text = (path / rel).read_bytes()
             verify_bytes(path / rel, text, recorded.get(rel))
@@ -714,13 +718,12 @@ def _check_compatible(path: Path, info: dict[str, Any], members: Mapping[str, An
             "wrote it, or start the new configuration from a warm start in a new output_dir."
         )
     if resume_data_state and (info["dp_world"], info["cp_size"]) != (dp_world, cp_size):
-        raise CheckpointIncompatibleError(
-            f"{path} was saved with dp_world={info['dp_world']}, cp_size={info['cp_size']}; this run "
-            f"has dp_world={dp_world}, cp_size={cp_size}. Data cursors are per data-parallel rank, "
-            "so resuming them needs the same topology. Fix: run with the same world_size and "
-            "cp_size, or set resume_data_state=false to keep model and optimizer and restart the "
-            "data stream."
-        )
+        # Elastic resume: DCP reshards the members; the data position is global, so data rank
+        # 0's cursor is handed to every rank and the data iterator converts it (or refuses).
+        log.warning("%s was saved with dp_world=%s, cp_size=%s; this run has dp_world=%s, "
+                    "cp_size=%s: resharding the weights and optimizer state and continuing the "
+                    "global data stream from the saved position", path.name, info["dp_world"],
+                    info["cp_size"], dp_world, cp_size)
     unused = [name for name in info["members"] if name not in members]
     if unused:
         log.info("%s: not loading member(s) %s (this run does not use them)", path.name, unused)

@@ -2,11 +2,12 @@
 
 Ranks come from torchrun (RANK, WORLD_SIZE, LOCAL_RANK) or from an srun task per GPU
 (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID); a plain `python train.py` is one rank. The world
-splits as dp x cp (cp = Ulysses context parallel, consecutive ranks form a cp group).
+splits as dp_replicate x dp_shard x cp (trainer.topology); models are sharded with FSDP2 over it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -18,11 +19,20 @@ import torch.distributed as dist
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
+    """This rank's place in the run: rank, device and the mesh (trainer.topology's split)."""
+
     rank: int
     world_size: int
     local_rank: int
     cp_size: int
     device: torch.device
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    # FSDP2's mesh (dp_replicate, dp_shard_cp): 1-D when there is one replica. None in one
+    # process, where nothing is sharded.
+    fsdp_mesh: Any = None
+    # This rank's Ulysses group (cp consecutive ranks); None when cp_size is 1.
+    cp_group: Any = None
 
     @property
     def dp_world(self) -> int:
@@ -31,6 +41,10 @@ class Topology:
     @property
     def dp_rank(self) -> int:
         return self.rank // self.cp_size
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank % self.cp_size
 
     @property
     def is_main(self) -> bool:
@@ -53,6 +67,14 @@ def world_size_from_env() -> int:
     return _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1) if _launched_as_ranks() else 1
 
 
+def ranks_per_node_from_env() -> int | None:
+    """Ranks on this node (torchrun's LOCAL_WORLD_SIZE or srun's tasks per node); None alone."""
+    if not _launched_as_ranks():
+        return None
+    tasks = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]  # "8(x240)" -> "8"
+    return _env_int("LOCAL_WORLD_SIZE", default=int(tasks) if tasks.isdigit() else 0) or None
+
+
 def _launched_as_ranks() -> bool:
     # SLURM_NTASKS alone is also set for a single batch task that then runs torchrun; only an
     # srun task (SLURM_STEP_ID present, not the batch step) is itself a rank.
@@ -62,38 +84,116 @@ def _launched_as_ranks() -> bool:
         "batch", "extern")
 
 
-def init_distributed(cp_size: int, backend: str = "auto") -> Topology:
-    """Join the process group (if there is more than one rank) and pick this rank's device."""
+def init_distributed(cp_size: int, backend: str = "auto", *, hybrid_shard: bool = False,
+                     shard_group_size: int | None = None) -> Topology:
+    """Join the process group (if there is more than one rank), pick this rank's device and
+    build the FSDP2 mesh of trainer.topology.plan_mesh. Raises ConfigError for a split that
+    does not divide (preflight normally said so already)."""
+    from trainer.topology import plan_mesh
+
     if _launched_as_ranks():
         rank = _env_int("RANK", "SLURM_PROCID", default=0)
         world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
         local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
     else:
         rank, world, local_rank = 0, 1, 0
+    shape = plan_mesh(world, cp_size=cp_size, hybrid_shard=hybrid_shard,
+                      shard_group_size=shard_group_size, ranks_per_node=ranks_per_node_from_env())
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-    if world > 1 and not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
-        if backend == "auto":
-            backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(minutes=30))
+    mesh = None
+    if world > 1:
+        if not dist.is_initialized():
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
+            if backend == "auto":
+                backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend=backend, rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(minutes=30))
+        mesh = _fsdp_mesh(device, shape)
+    cp_group = None
+    if cp_size > 1:
+        cp_group, _ = dist.new_subgroups(group_size=cp_size)  # consecutive ranks
     return Topology(rank=rank, world_size=world, local_rank=local_rank, cp_size=cp_size,
-                    device=device)
+                    device=device, dp_replicate=shape.dp_replicate, dp_shard=shape.dp_shard,
+                    fsdp_mesh=mesh, cp_group=cp_group)
 
 
-def wrap_for_training(model: torch.nn.Module, topo: Topology) -> torch.nn.Module:
-    """Data parallel when there is more than one rank (FSDP2 comes with sharding)."""
-    if not topo.distributed:
+def _fsdp_mesh(device: torch.device, shape):
+    """The mesh FSDP2 shards over: (dp_replicate, dp_shard x cp) ranks, cp innermost, so that
+    rank = (replica * dp_shard + shard) * cp + cp_rank as trainer.topology lays it out."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if shape.dp_replicate == 1:
+        return init_device_mesh(device.type, (shape.shard_group,), mesh_dim_names=("dp_shard_cp",))
+    return init_device_mesh(device.type, (shape.dp_replicate, shape.shard_group),
+                            mesh_dim_names=("dp_replicate", "dp_shard_cp"))
+
+
+# Methods the stages call instead of forward; FSDP2 must unshard around them too.
+_FORWARD_METHODS = ("forward_teacher_forcing", "forward_packed", "new_kv_cache", "forward_chunk",
+                    "commit_chunk")
+
+
+def shard_model(model: torch.nn.Module, topo: Topology) -> torch.nn.Module:
+    """FSDP2 (`fully_shard`) over the run's mesh: each transformer block, then the root (the
+    embedders, the head), and Ulysses over the cp group when cp_size > 1. Returns the same
+    module, now sharded; a no-op in one process.
+
+    A block is the unit of all-gather: its parameters are gathered just before it runs and
+    freed after (reshard_after_forward), so a rank holds the full weights of about one block
+    at a time. On GPU parameters compute in bf16 and gradients are reduced in fp32; on CPU
+    (gloo) everything stays fp32. A frozen model (no parameter requires grad) is sharded the
+    same way and never reduces anything.
+    """
+    if topo.fsdp_mesh is None:
         return model
-    from torch.nn.parallel import DistributedDataParallel
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-    ids = [topo.device.index] if topo.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids)
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if topo.device.type == "cuda" else MixedPrecisionPolicy())
+    for block in model.blocks:
+        # The model computes a block's adaLN table (block.modulation) before calling the
+        # block, outside its forward hooks: the table is a unit of its own.
+        if hasattr(block, "modulation"):
+            fully_shard(block.modulation, mesh=topo.fsdp_mesh, mp_policy=policy)
+        fully_shard(block, mesh=topo.fsdp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=topo.fsdp_mesh, mp_policy=policy)
+    for name in _FORWARD_METHODS:
+        if hasattr(model, name):
+            register_fsdp_forward_method(model, name)
+    return model
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: torch.nn.Module, enabled: bool):
+    """Within it, backward passes of a sharded `model` reduce gradients only if `enabled`
+    (off for all but the last micro-batch of gradient accumulation: the reduction then happens
+    once, over the summed gradients)."""
+    if not is_sharded(model) or enabled:
+        yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def total_norm_value(norm: torch.Tensor) -> float:
+    """A gradient norm as a float: the full norm over every shard for FSDP2's DTensor norms."""
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,6 +245,14 @@ def sum_across_ranks(values: list[float]) -> list[float]:
     return tensor.cpu().tolist()
 
 
+def mean_across_ranks(value: float) -> float:
+    """The mean of `value` over all ranks (itself in one process): a logged loss is the global
+    batch's, not rank 0's share of it."""
+    if not distributed_active():
+        return float(value)
+    return sum_across_ranks([value])[0] / dist.get_world_size()
+
+
 def gather_across_ranks(values: torch.Tensor) -> torch.Tensor:
     """The concatenation over ranks of a detached 1-D tensor (itself in one process)."""
     values = values.detach()
@@ -156,14 +264,50 @@ def gather_across_ranks(values: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts).to(values.device)
 
 
-def average_gradients(model: torch.nn.Module, world: int) -> None:
-    """Mean of the gradients over `world` data-parallel ranks, for modules not wrapped in DDP."""
-    if world <= 1 or not distributed_active():
-        return
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-            p.grad.div_(world)
+def orthogonalize_sharded(updates: list, orthogonalize) -> list:
+    """orthogonalize(full matrix) for FSDP2-sharded matrices (DTensors sharded on dim 0 over
+    one mesh dim, replicated over any other), without every rank doing every matrix.
+
+    Matrix i is owned by rank i mod S of its shard group: the group's rows are gathered there
+    (padded to equal chunks, as FSDP2 chunks dim 0), the owner orthogonalises the whole
+    matrix, and the rows are scattered back. Replicas (hybrid shard) do the same in parallel
+    on identical inputs, so nothing crosses between them. Returns DTensors placed like
+    `updates`, equal to orthogonalising each gathered matrix on one rank.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    directions = []
+    pending = []
+    for index, update in enumerate(updates):
+        dim = next(d for d, place in enumerate(update.placements) if isinstance(place, Shard))
+        if update.placements[dim].dim != 0:
+            raise ValueError(f"expected dim-0 sharding, got {update.placements}")
+        group = update.device_mesh.get_group(dim)
+        size, me = dist.get_world_size(group), dist.get_group_rank(group, dist.get_rank())
+        owner = index % size
+        rows = update.shape[0]
+        chunk = -(-rows // size)
+        local = update.to_local()
+        padded = torch.zeros((chunk, *local.shape[1:]), dtype=local.dtype, device=local.device)
+        padded[: local.shape[0]] = local
+        parts = [torch.empty_like(padded) for _ in range(size)] if me == owner else None
+        dist.gather(padded, parts, group=group, group_dst=owner)
+        pending.append((update, group, size, me, owner, rows, chunk, local.shape[0], parts))
+    for update, group, size, me, owner, rows, chunk, local_rows, parts in pending:
+        scatter = None
+        if me == owner:
+            full = orthogonalize(torch.cat(parts)[:rows])
+            out = torch.zeros((chunk * size, *full.shape[1:]), dtype=full.dtype,
+                              device=full.device)
+            out[:rows] = full
+            scatter = list(out.chunk(size))
+        mine = torch.empty((chunk, *update.shape[1:]), dtype=update.dtype,
+                           device=update.to_local().device)
+        dist.scatter(mine, scatter, group=group, group_src=owner)
+        directions.append(DTensor.from_local(mine[:local_rows].contiguous(), update.device_mesh,
+                                             update.placements, run_check=False,
+                                             shape=update.shape, stride=update.stride()))
+    return directions
 
 
 def broadcast_from_rank0(obj: Any, group: dist.ProcessGroup | None = None) -> Any:

@@ -19,10 +19,9 @@ from torch import nn
 from torch.optim.adamw import adamw as adamw_update
 
 try:  # DTensor exists only in builds with torch.distributed.
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover
     DTensor = None
-    distribute_tensor = None
 
 # Quintic Newton-Schulz coefficients chosen by KellerJordan to push singular values into
 # roughly [0.7, 1.2] in five steps (not to convergence at 1: faster, and good enough).
@@ -69,17 +68,31 @@ def newton_schulz5(G: torch.Tensor, steps: int = 5, eps: float = 1e-7, *,
 
 
 def _orthogonalized_update(update: torch.Tensor, ns_steps: int) -> torch.Tensor:
-    """Muon's step direction for one weight: NS5 of its matrix view times the shape scale."""
-    if DTensor is not None and isinstance(update, DTensor):
-        # Sharded (FSDP2) weight: Newton-Schulz needs the whole matrix. Every rank gathers it,
-        # computes the same result and keeps its own shard (no second collective). Redundant
-        # compute, simple and exact; a distributed Muon can replace this later.
-        full = _orthogonalized_update(update.full_tensor(), ns_steps)
-        return distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
+    """Muon's step direction for one whole weight: NS5 of its matrix view times the shape scale."""
     matrix = update.reshape(update.shape[0], -1)  # conv filters [out, in, kh, kw] -> [out, ...]
     rows, cols = matrix.shape
     out = newton_schulz5(matrix, steps=ns_steps)
     return (out * math.sqrt(max(1.0, rows / cols))).view(update.shape)
+
+
+def _orthogonalized_updates(updates: list[torch.Tensor], ns_steps: int) -> list[torch.Tensor]:
+    """The directions of a group's weights: plain tensors here; FSDP2-sharded ones (DTensors)
+    spread over their shard group, so each rank runs Newton-Schulz on 1/S of the matrices."""
+    out: list[torch.Tensor | None] = [None] * len(updates)
+    sharded = []
+    for i, update in enumerate(updates):
+        if DTensor is not None and isinstance(update, DTensor):
+            sharded.append(i)
+        else:
+            out[i] = _orthogonalized_update(update, ns_steps)
+    if sharded:
+        from trainer.distributed import orthogonalize_sharded
+
+        for i, direction in zip(sharded, orthogonalize_sharded(
+                [updates[i] for i in sharded],
+                lambda full: _orthogonalized_update(full, ns_steps))):
+            out[i] = direction
+    return out
 
 
 @torch.no_grad()
@@ -88,6 +101,7 @@ def _muon_group_step(state: dict, group: dict) -> None:
     lr = float(group["lr"])
     beta = group["momentum"]
     wd = group["weight_decay"]
+    params, updates = [], []
     for p in group["params"]:
         if p.grad is None:
             continue
@@ -98,8 +112,9 @@ def _muon_group_step(state: dict, group: dict) -> None:
         buf = st["momentum_buffer"]
         buf.lerp_(grad, 1.0 - beta)  # M <- beta M + (1 - beta) G
         # Nesterov look-ahead: (1 - beta) G + beta M.
-        update = grad.lerp(buf, beta) if group["nesterov"] else buf
-        direction = _orthogonalized_update(update, group["ns_steps"])
+        params.append(p)
+        updates.append(grad.lerp(buf, beta) if group["nesterov"] else buf)
+    for p, direction in zip(params, _orthogonalized_updates(updates, group["ns_steps"])):
         if wd != 0:
             p.mul_(1.0 - lr * wd)  # decoupled decay, before the update
         p.add_(direction.to(p.dtype), alpha=-lr)
@@ -159,7 +174,9 @@ class Muon(torch.optim.Optimizer):
     spectral-norm units, not matched to AdamW's update RMS as Moonlight's 0.2*sqrt(max) is);
     W <- W * (1 - lr * weight_decay); W <- W - lr * O. Parameters of more than 2 dims are
     treated as [shape[0], rest]. State per parameter: `momentum_buffer` (a tensor shaped like
-    it). FSDP2 DTensor parameters are gathered for Newton-Schulz and re-sharded.
+    it). FSDP2 DTensor parameters: each matrix is gathered on one rank of its shard group,
+    orthogonalised there and scattered back (trainer.distributed.orthogonalize_sharded), so
+    the Newton-Schulz work per rank falls with the shard group's size.
     Raises ValueError for a parameter with fewer than 2 dims.
     """
 

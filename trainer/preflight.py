@@ -102,6 +102,10 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
         _validate_output_dir(args)
     if check_weights:
         _validate_weight_sources(args)
+    _check(args.enable_gradient_checkpointing or not args.use_dedicated_gradient_checkpointing,
+           "`use_dedicated_gradient_checkpointing` is true but `enable_gradient_checkpointing` "
+           "is false, so it would be ignored. Set enable_gradient_checkpointing: true (it "
+           "selects which activations the checkpointed blocks keep), or turn it off.")
     _validate_model_overrides(args)
     _validate_topology(args, world_size)
     stage_checks.validate_stage(args)
@@ -111,10 +115,11 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
         except ImportError:
             raise ConfigError("`report_to: wandb` but the wandb package is not installed. "
                               "pip install wandb, or set report_to: none.") from None
-    _check(args.cp_size == 1 and not args.hybrid_shard,
-           f"cp_size {args.cp_size} / hybrid_shard {str(args.hybrid_shard).lower()}: context "
-           f"parallel and hybrid sharding are not implemented in this version of relay, so the "
-           f"job would refuse to start on the cluster. Use cp_size: 1 and hybrid_shard: false.")
+    _check(args.cp_size == 1,
+           f"cp_size {args.cp_size}: Ulysses context parallel is not available in this version "
+           f"of relay (it is not yet ported to the attention plans of trainer/attention.py), so "
+           f"the job would refuse to start on the cluster. Use cp_size: 1; shard the model with "
+           f"hybrid_shard / shard_group_size and enable_gradient_checkpointing instead.")
 
 
 CONDITIONING_TASKS = ("t2v", "i2v", "continuation")
@@ -272,12 +277,23 @@ def _validate_topology(args: ResolvedArgs, world_size: int | None) -> None:
     _check(heads % args.cp_size == 0,
            f"num_attention_heads ({heads}) is not divisible by cp_size ({args.cp_size}). Ulysses "
            f"splits heads across the cp group: pick a cp_size that divides {heads}.")
+    if args.cp_size > 1:
+        video = _video_tokens(args, model_config(args))
+        _check(video is None or video % args.cp_size == 0,
+               f"cp_size {args.cp_size} does not divide the {video} video tokens of a sample: "
+               f"Ulysses gives every cp rank the same number of tokens. Pick a cp_size that "
+               f"divides {video}.")
     if world_size is None:
         return
-    _check(world_size % args.cp_size == 0,
-           f"world size {world_size} is not divisible by cp_size {args.cp_size}. Use a cp_size "
-           f"that divides the number of GPUs (nodes x gpus_per_node).")
-    dp = world_size // args.cp_size
+    if args.hybrid_shard and args.shard_group_size is None:
+        # The shard group is a node: the launcher (and train.py) know its ranks; the split is
+        # checked with them in describe_plan.
+        _check(world_size % args.cp_size == 0,
+               f"world size {world_size} is not divisible by cp_size {args.cp_size}. Use a "
+               f"cp_size that divides the number of GPUs (nodes x gpus_per_node).")
+        dp = world_size // args.cp_size
+    else:
+        dp = _mesh(args, world_size, None).dp_world
     if args.global_batch_size is not None:
         got = args.train_batch_size * args.gradient_accumulation_steps * dp
         _check(got == args.global_batch_size,
@@ -285,3 +301,79 @@ def _validate_topology(args: ResolvedArgs, world_size: int | None) -> None:
                f"({args.train_batch_size}) x gradient_accumulation_steps "
                f"({args.gradient_accumulation_steps}) x data-parallel size ({dp}) = {got}. Change "
                f"one of them so they agree.")
+    if args.gpu_memory_gib is not None and not (args.hybrid_shard and args.shard_group_size is None):
+        describe_plan(args, world_size, None)
+
+
+def _mesh(args: ResolvedArgs, world_size: int, ranks_per_node: int | None):
+    from trainer.topology import plan_mesh
+
+    return plan_mesh(world_size, cp_size=args.cp_size, hybrid_shard=args.hybrid_shard,
+                     shard_group_size=args.shard_group_size, ranks_per_node=ranks_per_node)
+
+
+def describe_plan(args: ResolvedArgs, world_size: int, ranks_per_node: int | None) -> str:
+    """The run's topology, global batch and memory per GPU, as printed by `relay submit` and
+    `train.py --dry-run`. Raises ConfigError, with the arithmetic, when the split does not
+    divide or the estimate exceeds gpu_memory_gib."""
+    from trainer.memory_estimate import estimate_memory
+
+    mesh = _mesh(args, world_size, ranks_per_node)
+    accum = args.gradient_accumulation_steps
+    global_batch = args.train_batch_size * accum * mesh.dp_world
+    cfg = model_config(args)
+    video = _video_tokens(args, cfg)
+    estimate = estimate_memory(
+        cfg, stage=args.stage, use_muon=args.use_muon, use_ema=args.use_ema,
+        shard_group=mesh.shard_group, cp=mesh.cp, batch_per_rank=args.train_batch_size,
+        video_tokens=video or 0, text_tokens=args.text_max_tokens,
+        checkpointing=args.enable_gradient_checkpointing,
+        selective=args.use_dedicated_gradient_checkpointing)
+    lines = [f"topology: {mesh.describe()}",
+             f"global batch: train_batch_size {args.train_batch_size} x gradient accumulation "
+             f"{accum} x dp {mesh.dp_world} = {global_batch} samples a step",
+             "memory per GPU (estimate, trainer.memory_estimate):", estimate.describe()]
+    if video is None:
+        lines.append("  (activations left out: the data's latent shape is not readable here)")
+    text = "\n".join(lines)
+    if args.gpu_memory_gib is not None and estimate.total_gib > args.gpu_memory_gib:
+        raise ConfigError(
+            f"stage {args.stage} does not fit the GPU: ~{estimate.total_gib:.1f} GiB per GPU "
+            f"needed, gpu_memory_gib is {args.gpu_memory_gib:g}.\n{text}\nShard over more "
+            f"ranks (hybrid_shard: false or a larger shard_group_size), turn on "
+            f"enable_gradient_checkpointing, lower train_batch_size, or split the sequence "
+            f"with cp_size.")
+    return text
+
+
+def _video_tokens(args: ResolvedArgs, cfg: dict) -> int | None:
+    """Video tokens of one sample: from the synthetic settings, the first shard's latent shape
+    or expected_latent_shape (None when none of them is known here)."""
+    pt, ph, pw = cfg["patch_size"]
+    if args.synthetic_data:
+        shape = (cfg["in_channels"], args.synthetic_num_frames, args.synthetic_height,
+                 args.synthetic_width)
+    else:
+        shape = _first_latent_shape(args.data_path)
+    expected = args.expected_latent_shape
+    if expected is not None:
+        _check(len(expected) == 4, f"expected_latent_shape is {expected}; give [C, T, H, W].")
+        _check(shape is None or tuple(expected) == tuple(shape),
+               f"expected_latent_shape is {list(expected)} but the data's latents are "
+               f"{list(shape or ())}. Fix it or remove it (it only feeds the memory estimate).")
+        shape = tuple(expected)
+    if shape is None:
+        return None
+    _, t, h, w = shape
+    return (t // pt) * (h // ph) * (w // pw)
+
+
+def _first_latent_shape(data_path) -> tuple[int, ...] | None:
+    """The data's first latent shape (trainer.data's torch-free index), or None when the data
+    cannot be read here: an unreadable shard is training's error to report, not the estimate's."""
+    from trainer.data import first_latent_shape
+
+    try:
+        return first_latent_shape(data_path)
+    except Exception:  # noqa: BLE001
+        return None

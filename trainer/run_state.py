@@ -18,7 +18,7 @@ from trainer.distributed import Topology, all_gather_objects
 from trainer.files import write_json
 from trainer.optim import resume_lr_scheduler
 from trainer.rng import capture_rng_state, restore_rng_state
-from trainer.schema import ResolvedArgs, model_config
+from trainer.schema import ConfigError, ResolvedArgs, model_config
 from trainer.warm_start import load_warm_start
 
 log = logging.getLogger("relay")
@@ -88,13 +88,34 @@ def _restore(args: ResolvedArgs, topo: Topology, stage, path: Path, state: dict,
     rng = state["rng"]
     restore_rng_state(rng[str(topo.rank)] if str(topo.rank) in rng else rng["0"])
     if cursor is not None:
-        stage.data.load_state_dict(cursor)
+        _warn_if_global_batch_changed(path, cursor, args, topo)
+        try:
+            stage.data.load_state_dict(cursor)
+        except ValueError as exc:
+            raise ConfigError(f"cannot continue the data stream of {path}: {exc}. Or set "
+                              "resume_data_state: false to restart the data.") from exc
     else:
         log.warning("resume_data_state is false: the data stream RESTARTS from the top; "
                     "model, optimizer and schedule are resumed from %s", path)
     log.info("resumed from %s (step %d)", path, state["step"])
     _log_config_changes(path, args)
     return int(state["step"])
+
+
+def _warn_if_global_batch_changed(path: Path, cursor: dict, args: ResolvedArgs,
+                                  topo: Topology) -> None:
+    """Say at start when a resume cannot follow the saved trajectory exactly: samples per
+    micro-batch round (batch x dp ranks) changed, so steps group the stream differently."""
+    saved = cursor.get("batch_size", 0) * cursor.get("dp_world", 0)
+    now = args.train_batch_size * topo.dp_world
+    if saved and saved != now:
+        log.warning("%s: a micro-batch round held %d samples (train_batch_size %d x %d dp "
+                    "ranks); this run's holds %d (%d x %d): the data stream continues from the "
+                    "saved sample position, but steps now group other samples, so the loss "
+                    "trajectory is not the saved run's. Keep train_batch_size x dp ranks "
+                    "the same for an exact continuation.", path.name, saved,
+                    cursor["batch_size"], cursor["dp_world"], now, args.train_batch_size,
+                    topo.dp_world)
 
 
 def warm_start(stage) -> dict:
@@ -145,7 +166,8 @@ def save(manager: ckpt.CheckpointManager, args: ResolvedArgs, topo: Topology, st
     path = manager.save(step, members=stage_members(stage), training_state=training_state,
                         dataloader_state=stage.data.state_dict(), dp_rank=topo.dp_rank,
                         dp_world=topo.dp_world, world_size=topo.world_size,
-                        cp_size=args.cp_size, config_digest=args.digest(),
+                        cp_size=args.cp_size, cp_rank=topo.cp_rank,
+                        config_digest=args.digest(),
                         model_config=model_config(args),
                         extra_files={"resolved-config.json": json.dumps(dict(args), indent=2)})
     return str(path)

@@ -185,13 +185,28 @@ SECTIONS: dict[str, list[Arg]] = {
     ],
     "distributed": [
         Arg("hybrid_shard", "bool", False,
-            "FSDP2 hybrid shard: shard within a node, replicate across nodes."),
+            "FSDP2 hybrid shard (HSDP): shard parameters within a group of ranks (a node by "
+            "default), replicate across groups. false: shard over every rank."),
+        Arg("shard_group_size", "int", None,
+            "With hybrid_shard: ranks per shard group (null: the ranks of one node). A "
+            "multiple of cp_size that divides the world size.", nullable=True),
         Arg("cp_size", "int", 1,
             "Ulysses context-parallel degree; the world splits as dp x cp. Must divide the "
             "world size and num_attention_heads."),
         Arg("enable_gradient_checkpointing", "bool", False,
             "Recompute each transformer block's activations in the backward pass (less memory, "
             "about one more forward of compute)."),
+        Arg("use_dedicated_gradient_checkpointing", "bool", False,
+            "With enable_gradient_checkpointing: selective, per op: keep the attention outputs, "
+            "recompute the rest (more memory than full checkpointing, less recompute)."),
+        Arg("gpu_memory_gib", "float", None,
+            "Memory of one GPU of the partition (H200: 141). When set, a stage whose estimated "
+            "memory per GPU exceeds it is refused before it starts (trainer.memory_estimate).",
+            nullable=True),
+        Arg("expected_latent_shape", "int_list", None,
+            "[C, T, H, W] of a training latent, for the memory estimate where the data is not "
+            "readable (a login node without the dataset); where it is, the two must agree.",
+            nullable=True),
         Arg("dist_backend", "str", "auto", "Process-group backend (auto: nccl on GPU, else gloo).",
             choices=("auto", "nccl", "gloo")),
     ],

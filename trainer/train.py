@@ -30,11 +30,12 @@ from trainer.args import resolve_args
 from trainer.build import build_stage
 from trainer.cuda_memory import configure_cuda_allocator
 from trainer.distributed import (Topology, any_rank, barrier, destroy, init_distributed,
-                                 world_size_from_env)
+                                 ranks_per_node_from_env, world_size_from_env)
 from trainer.environment import probe_environment
 from trainer.files import write_json
 from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler, interrupts_deferred
 from trainer.run_lock import RunLock, RunLockError, acquire_run_lock
+from trainer.preflight import describe_plan
 from trainer.schema import ConfigError, ResolvedArgs
 from trainer.stages.base import NonFiniteError
 from trainer.tracking import MetricsWriter, Progress, WandbReporter
@@ -47,19 +48,23 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     try:
         args, dry_run = resolve_args(argv, world_size=world_size_from_env())
+        plan = describe_plan(args, world_size_from_env(), ranks_per_node_from_env())
     except ConfigError as exc:
         print(f"relay: config error: {exc}", file=sys.stderr)
         return 2
     if dry_run:
         print(args.to_json())
+        print(plan, file=sys.stderr)  # stdout stays the JSON
         return 0
+    log.info("%s", plan)
     return run(args)
 
 
 def run(args: ResolvedArgs) -> int:
     """Train one stage to max_steps (or until preempted). Returns the process exit code."""
     configure_cuda_allocator()  # before init_distributed puts anything on a GPU
-    topo = init_distributed(args.cp_size, args.dist_backend)
+    topo = init_distributed(args.cp_size, args.dist_backend, hybrid_shard=args.hybrid_shard,
+                            shard_group_size=args.shard_group_size)
     out = Path(args.output_dir)
     result = {"status": "failed", "step": 0, "last_checkpoint": None, "error": None}
     lock: RunLock | None = None
@@ -130,7 +135,8 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     stage = build_stage(args, topo)
-    # Noise, caption drop and conditioning draws differ per rank.
+    # Training draws are keyed by sample (trainer.sample_draws); what still uses the global
+    # generator (Stage2's rollout noise) differs per rank.
     torch.manual_seed(args.seed + 1_000_003 * (topo.rank + 1))
     manager = ckpt.CheckpointManager(out, save_total_limit=args.save_total_limit,
                                      async_save=args.async_checkpoint)
@@ -196,11 +202,16 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
 
 
 def _validate(stage, args: ResolvedArgs, step: int, out: Path, topo: Topology) -> dict:
-    """Rank 0 samples and scores; a failure is logged, never fatal to training."""
+    """Rank 0 samples, scores and writes; a failure is logged, never fatal to training.
+
+    A sharded model needs every rank in each forward (the blocks' all-gathers), so then every
+    rank samples the same seeded captions and only rank 0 keeps the files.
+    """
     scores: dict = {}
-    if topo.is_main:
+    if topo.is_main or topo.fsdp_mesh is not None:
         try:
-            scores = run_validation(stage, args, step, out, stage.data.dataset.latent_shape)
+            scores = run_validation(stage, args, step, out, stage.data.dataset.latent_shape,
+                                    write=topo.is_main)
         except Exception:
             log.exception("validation at step %d failed; training goes on", step)
     barrier()

@@ -43,8 +43,13 @@ def validation_captions(count: int) -> list[str]:
     return picks
 
 
-def run_validation(stage, args, step: int, output_dir: Path, latent_shape) -> dict:
-    """Sample, score and save; returns metrics {"val/<weights>/colour_accuracy": ...}."""
+def run_validation(stage, args, step: int, output_dir: Path, latent_shape,
+                   write: bool = True) -> dict:
+    """Sample, score and save; returns metrics {"val/<weights>/colour_accuracy": ...}.
+
+    write=False samples and scores without touching the disk (the other ranks of a sharded
+    model, which must take part in every forward).
+    """
     from trainer.evaluate import latents_to_frames, score_clips
     from trainer.files import write_json
     from trainer.media import write_validation_files
@@ -59,7 +64,6 @@ def run_validation(stage, args, step: int, output_dir: Path, latent_shape) -> di
     null_text, null_mask = encoder.null_embedding()
     sampler = sampler_for(args.stage)
     out = output_dir / "samples" / f"step-{step}"
-    out.mkdir(parents=True, exist_ok=True)
     manifest = {"step": step, "stage": args.stage, "captions": captions, "sampler_steps": steps,
                 "guidance": guidance, "seed": args.validation_seed, "weights": {}}
     metrics = {}
@@ -75,7 +79,7 @@ def run_validation(stage, args, step: int, output_dir: Path, latent_shape) -> di
                                   generator=torch.Generator().manual_seed(args.validation_seed))
             clips = [latents_to_frames(x) for x in latents]
             scores = score_clips(clips, captions)
-            files = write_validation_files(clips, out / weights)
+            files = write_validation_files(clips, out / weights) if write else {}
             manifest["weights"][weights] = {
                 "colour_accuracy": scores["colour_accuracy"],
                 "direction_accuracy": scores["direction_accuracy"],
@@ -84,7 +88,9 @@ def run_validation(stage, args, step: int, output_dir: Path, latent_shape) -> di
             metrics[f"val/{weights}/direction_accuracy"] = scores["direction_accuracy"]
     finally:
         model.train(was_training)
-    write_json(out / "manifest.json", manifest)
+    if write:
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "manifest.json", manifest)
     log.info("validation step %d: %s -> %s", step,
              ", ".join(f"{k} {v:.0%}" for k, v in metrics.items()), out)
     return metrics

@@ -90,7 +90,7 @@ def _tf_anyflow_loss(model, batch: dict, args: ResolvedArgs, shapes: dict) -> to
     # video tokens of FM, so its kernels (and their autotuned configs) are its own.
     null_text, null_mask = _null_caption(args, batch["latents"].device)
     loss, _ = anyflow_batch_loss(TeacherForcingForward(model), batch, args, null_text, null_mask,
-                                 rank=0, world=1, num_tokens=shapes["video_tokens"])
+                                 num_tokens=shapes["video_tokens"])
     return loss
 
 

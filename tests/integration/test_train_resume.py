@@ -359,7 +359,7 @@ def _worker_with_rank(agent: subprocess.Popen, rank: int) -> int:
     raise AssertionError(f"no worker with RANK={rank} under torchrun {agent.pid}")
 
 
-def test_two_process_run_preempted_on_one_rank_resumes_and_refuses_another_dp_size(
+def test_two_process_run_preempted_on_one_rank_resumes_and_continues_on_one_process(
         tiny_trainer, tmp_path):
     out, log = tmp_path / "ddp", tmp_path / "ddp.log"
     agent = _torchrun(tiny_trainer, out, log)
@@ -392,21 +392,17 @@ def test_two_process_run_preempted_on_one_rank_resumes_and_refuses_another_dp_si
     assert [(c["dp_rank"], c["cursor"]["streams"]["all"]) for c in cursors] == [
         (0, {"epoch": 1, "position": 16}), (1, {"epoch": 1, "position": 16})]
 
-    # One process cannot take over two ranks' data cursors ...
-    single = tiny_trainer.run(out, "--max_steps", "14")
-    assert single.returncode == 1, single.stdout + single.stderr
-    assert "dp_world=2" in single.stderr and "dp_world=1" in single.stderr
-    assert "resume_data_state=false" in single.stderr
-    assert "Traceback" not in single.stderr
-    assert not list(out.glob("*.bad")) and _published_steps(out)[-1] == 12
-    # ... unless told to restart the data stream, which it says loudly.
-    single = tiny_trainer.run(out, "--max_steps", "14", "--resume_data_state", "false")
+    # One process takes over both ranks' global data stream (8 samples a step, as before).
+    single = tiny_trainer.run(out, "--max_steps", "14", "--train_batch_size", "8")
     assert single.returncode == 0, single.stdout + single.stderr
-    assert "data stream RESTARTS" in single.stderr
+    assert "resharding the weights and optimizer state" in single.stderr
     assert f"resumed from {final}" in single.stderr
+    assert "Traceback" not in single.stderr
     assert _logged_steps(out) == list(range(1, 15))
     info = validate_checkpoint(out / "checkpoint-14")
     assert (info["world_size"], info["dp_world"]) == (1, 1)
+    cursor = json.loads((out / "checkpoint-14" / "dataloader" / "0.json").read_text())
+    assert (cursor["epoch"], cursor["position"]) == (1, 6)  # 14 steps of 8 = epoch 1, batch 6
 
 
 # ---------------------------------------------------------------------------------------------

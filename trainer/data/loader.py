@@ -36,7 +36,10 @@ class _PlannedBatches:
 def _common(items: list[dict]) -> dict:
     indices = [item["index"] for item in items]
     return {"captions": [item["caption"] for item in items], "ids": [item["id"] for item in items],
-            "indices": indices, "sample_index": torch.tensor(indices, dtype=torch.long)}
+            "indices": indices, "sample_index": torch.tensor(indices, dtype=torch.long),
+            # What keys a sample's random draws (trainer.sample_draws, with the step): its global
+            # index, the same whatever the number of ranks reading.
+            "sample_keys": [int(i) for i in indices]}
 
 
 def collate_batch(items: list[dict]) -> dict:
@@ -80,12 +83,13 @@ class DistributedBatchIterator:
     def __init__(self, dataset, *, batch_size: int, dp_rank: int, dp_world: int, seed: int,
                  drop_last: bool = True, token_budget: int | None = None, patch_size=(1, 1, 1),
                  image_sample_prob: float | None = None, num_workers: int = 0,
-                 prefetch_factor: int = 2, pin_memory: bool = False, reset_streams=()):
+                 prefetch_factor: int = 2, pin_memory: bool = False, reset_streams=(),
+                 grad_accum: int = 1):
         self.dataset = dataset
         self.plan = BatchPlan(dataset.index, dp_rank=dp_rank, dp_world=dp_world, seed=seed,
                               batch_size=batch_size, drop_last=drop_last,
                               token_budget=token_budget, patch_size=patch_size,
-                              image_sample_prob=image_sample_prob)
+                              image_sample_prob=image_sample_prob, grad_accum=grad_accum)
         if not token_budget:
             self._check_one_shape_per_stream()
         self.batch_size, self.dp_rank, self.dp_world = int(batch_size), int(dp_rank), int(dp_world)
@@ -145,7 +149,8 @@ class DistributedBatchIterator:
         return {"dp_rank": self.dp_rank, "dp_world": self.dp_world, "batch_size": self.batch_size,
                 "drop_last": self.drop_last, "token_budget": self.token_budget,
                 "dataset_size": len(self.dataset),
-                "stream_sizes": {name: len(m) for name, m in self.plan.streams.items()}}
+                "stream_sizes": {name: len(m) for name, m in self.plan.streams.items()},
+                "epoch_lengths": {name: n * self.dp_world for name, n in self.plan.per_rank.items()}}
 
     def state_dict(self) -> dict:
         """The cursor as a JSON-serialisable dict: enough to continue with the same batches."""
@@ -161,6 +166,7 @@ class DistributedBatchIterator:
         """
         state = _upgrade_legacy_state(state)
         mine = self._identity()
+        state = self._onto_this_split(state, mine)
         for key, value in mine.items():
             if key in state and state[key] != value:
                 raise ValueError(
@@ -179,6 +185,31 @@ class DistributedBatchIterator:
         self.plan.reseed(self.seed)
         self.cursor = cursor
         self._batches = None
+
+
+    def _onto_this_split(self, state: dict, mine: dict) -> dict:
+        """A cursor saved with another number of ranks (or another batch size), restated for
+        this split. The position is global: rank r of dp ranks read order[r::dp], so p samples
+        per rank are p x dp samples of the epoch. Exact when the epochs have the same length
+        (the same global batch); otherwise load_state_dict refuses, naming epoch_lengths."""
+        saved = (state.get("dp_world"), state.get("batch_size"))
+        if saved == (self.dp_world, self.batch_size) or self.token_budget or "cursor" not in state:
+            return state
+        streams = {}
+        for name, place in state["cursor"]["streams"].items():
+            seen = int(place["position"]) * int(state["dp_world"])
+            if seen % self.dp_world:
+                raise ValueError(
+                    f"the saved data position ({seen} {name} samples into epoch "
+                    f"{place['epoch']}) does not split over {self.dp_world} ranks; resume with "
+                    f"a number of data-parallel ranks that divides it")
+            streams[name] = {"epoch": int(place["epoch"]), "position": seen // self.dp_world}
+        log.warning("data cursor saved with dp_world %s, batch_size %s; resumed at the same "
+                    "sample position with dp_world %d, batch_size %d", *saved, self.dp_world,
+                    self.batch_size)
+        return {**state, "dp_rank": mine["dp_rank"], "dp_world": mine["dp_world"],
+                "batch_size": mine["batch_size"],
+                "cursor": {"batch": int(state["cursor"]["batch"]), "streams": streams}}
 
 
 def _upgrade_legacy_state(state: dict) -> dict:

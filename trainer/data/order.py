@@ -62,7 +62,7 @@ class BatchPlan:
 
     def __init__(self, index: SampleIndex, *, dp_rank: int, dp_world: int, seed: int,
                  batch_size: int = 1, drop_last: bool = True, token_budget: int | None = None,
-                 patch_size=(1, 1, 1), image_sample_prob: float | None = None):
+                 patch_size=(1, 1, 1), image_sample_prob: float | None = None, grad_accum: int = 1):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if not 0 <= dp_rank < dp_world:
@@ -74,7 +74,9 @@ class BatchPlan:
         self.image_sample_prob = image_sample_prob
         self.tokens = sample_tokens(index, patch_size)
         self.streams = self._split_streams(index, image_sample_prob)
-        unit = self.dp_world if token_budget else self.batch_size * self.dp_world
+        # Epochs are cut to whole optimizer steps, so any split of a step's global batch over
+        # ranks and accumulation reads the same samples in the same steps.
+        unit = self.dp_world if token_budget else self.batch_size * self.dp_world * int(grad_accum)
         self.per_rank = {}
         for name, members in self.streams.items():
             count = len(members) // unit if drop_last else math.ceil(len(members) / unit)

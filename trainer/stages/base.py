@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 log = logging.getLogger("relay")
+from trainer.distributed import total_norm_value
 
 
 class NonFiniteError(RuntimeError):
@@ -92,7 +93,7 @@ def clip_and_check(step: int, model: nn.Module, loss: float, max_grad_norm: floa
     """Clip gradients (0 = measure only) and raise if loss or norm is not finite."""
     params = [p for p in model.parameters() if p.grad is not None]
     limit = max_grad_norm if max_grad_norm > 0 else float("inf")
-    norm = float(torch.nn.utils.clip_grad_norm_(params, limit)) if params else 0.0
+    norm = total_norm_value(torch.nn.utils.clip_grad_norm_(params, limit)) if params else 0.0
     check_finite(step, loss=loss, grad_norm=norm)
     return norm
 

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from trainer import flow
-from trainer.distributed import average_gradients
+from trainer.distributed import mean_across_ranks
+from trainer.sample_draws import SampleDraws, step_generator
 from trainer.stages import rollout as ro
 from trainer.stages.base import Stage, WarmStartSource, autocast_context, clip_and_check
 
@@ -173,8 +174,7 @@ class DMDSGFStage(Stage):
     # no checkpoint (it has no pretrained_transformer_path / load_transformer_weights).
 
     def __init__(self, student: nn.Module, teacher: nn.Module, critic: nn.Module, optimizers,
-                 schedulers, ema, data, args, text_encoder, device: torch.device,
-                 dp_world: int = 1):
+                 schedulers, ema, data, args, text_encoder, device: torch.device):
         self.student, self.teacher, self.critic = student, teacher, critic
         self.roles = {"student": student, "teacher": teacher, "critic": critic}
         self.optimizers = dict(optimizers)
@@ -184,7 +184,6 @@ class DMDSGFStage(Stage):
         self.args = args
         self.text_encoder = text_encoder
         self.device = device
-        self.dp_world = dp_world
         self.interval = args.generator_update_interval
         self.sigmas = ro.rollout_sigmas(args.dmd_denoising_steps, args.train_timestep_shift,
                                         args.warp_denoising_step)
@@ -218,12 +217,14 @@ class DMDSGFStage(Stage):
         args = self.args
         batch = self._next_batch()
         captions = self._captions(batch)
+        draws = self._draws(batch, step)
         with autocast_context(self.device, args.dtype):
-            x_hat, frame_mask, exit_index = self.student_sample(batch, with_grad=True)
-            loss, stats = self.generator_loss(x_hat, frame_mask, captions)
+            x_hat, frame_mask, exit_index = self.student_sample(
+                batch, with_grad=True, draws=draws, exit_generator=self._exit_generator(step, 0))
+            loss, stats = self.generator_loss(x_hat, frame_mask, captions, draws)
         loss.backward()
-        average_gradients(self.student, self.dp_world)
-        grad_norm = clip_and_check(step, self.student, float(loss.detach()), args.max_grad_norm)
+        loss_value = mean_across_ranks(float(loss.detach()))
+        grad_norm = clip_and_check(step, self.student, loss_value, args.max_grad_norm)
         optimizer = self.optimizers["student"]
         optimizer.step()
         self.schedulers["student"].step()
@@ -231,7 +232,7 @@ class DMDSGFStage(Stage):
         self.student_updates += 1
         if "student" in self.emas:
             self.emas["student"].update(self.student, self.student_updates)
-        self.last_generator = {"generator_loss": float(loss.detach()),
+        self.last_generator = {"generator_loss": loss_value,
                                "student_grad_norm": grad_norm,
                                "exit_index": float(exit_index), **stats}
         return dict(self.last_generator)
@@ -240,33 +241,48 @@ class DMDSGFStage(Stage):
         args = self.args
         batch = self._next_batch()
         captions = self._captions(batch)
+        draws = self._draws(batch, step)
         with autocast_context(self.device, args.dtype):
             with torch.no_grad():
-                x_hat, frame_mask, _ = self.student_sample(batch, with_grad=False)
-            loss = self.critic_loss(x_hat, frame_mask, captions)
+                x_hat, frame_mask, _ = self.student_sample(
+                    batch, with_grad=False, draws=draws,
+                    exit_generator=self._exit_generator(step, 1))
+            loss = self.critic_loss(x_hat, frame_mask, captions, draws)
         loss.backward()
-        average_gradients(self.critic, self.dp_world)
-        grad_norm = clip_and_check(step, self.critic, float(loss.detach()),
-                                   args.critic_max_grad_norm)
+        loss_value = mean_across_ranks(float(loss.detach()))
+        grad_norm = clip_and_check(step, self.critic, loss_value, args.critic_max_grad_norm)
         optimizer = self.optimizers["critic"]
         optimizer.step()
         self.schedulers["critic"].step()
         optimizer.zero_grad(set_to_none=True)
-        return {"critic_loss": float(loss.detach()), "critic_grad_norm": grad_norm,
+        return {"critic_loss": loss_value, "critic_grad_norm": grad_norm,
                 "critic_lr": optimizer.param_groups[0]["lr"]}
 
     # ---- pieces ---------------------------------------------------------------------------
-    def student_sample(self, batch: dict, *, with_grad: bool):
+    def _draws(self, batch: dict, step: int) -> SampleDraws:
+        """The batch's per-sample generators at `step` (keyed by its global sample indices)."""
+        return SampleDraws(self.args.seed, step, batch["sample_keys"], self.device)
+
+    def _exit_generator(self, step: int, update: int) -> torch.Generator:
+        # Every rank must take the same exit: it decides how many sharded forwards run.
+        return step_generator(self.args.seed, 2 * step + update)
+
+    def student_sample(self, batch: dict, *, with_grad: bool, draws: SampleDraws | None = None,
+                       exit_generator: torch.Generator | None = None):
         """The student's sample x_hat [B, C, T, H, W] for a batch: (x_hat, loss frame mask
-        [B, T], exit index). with_grad: x_hat carries the exit step's gradient (§7.4, §7.7)."""
+        [B, T], exit index). with_grad: x_hat carries the exit step's gradient (§7.4, §7.7).
+        draws / exit_generator: the batch's per-sample generators and the one all ranks share
+        for the exit step (default: samples keyed 0..B-1 and the exit of step 0)."""
         x0 = batch["latents"]
         b, _, frames = x0.shape[:3]
-        anchored = self._anchored(b)
+        draws = draws or SampleDraws(self.args.seed, 0, range(b), self.device)
+        anchored = self._anchored(draws)
         anchor = x0[:, :, :1] if anchored is not None else None
         text, mask = batch["text"], batch["text_mask"]
-        exit_index = ro.sample_exit_index(len(self.sigmas))
+        exit_index = ro.sample_exit_index(len(self.sigmas),
+                                          exit_generator or step_generator(self.args.seed, 0))
         sigma = self.sigmas[exit_index]
-        noise = torch.randn_like(x0)
+        noise = draws.normal_like(x0)
         if self.args.rollout_mode == "data_latent":
             # No simulation: the data noised to the exit level, with the data as clean context.
             s = ro.frame_sigmas(sigma, b, frames, anchored, device=x0.device)
@@ -275,7 +291,7 @@ class DMDSGFStage(Stage):
             with torch.no_grad():
                 student = ro.CachedStudent(self.student, text, mask)
                 rollout = ro.simulate_rollout(student, noise, self.sigmas, exit_index,
-                                              anchor=anchor, anchored=anchored)
+                                              anchor=anchor, anchored=anchored, generator=draws)
             if not with_grad:
                 return rollout.output, ro.loss_frame_mask(anchored, b, frames,
                                                                   x0.device), exit_index
@@ -285,22 +301,26 @@ class DMDSGFStage(Stage):
                                    anchored=anchored)
         return x_hat, ro.loss_frame_mask(anchored, b, frames, x0.device), exit_index
 
-    def _score_point(self, x_hat: torch.Tensor, frame_mask: torch.Tensor):
-        """(sigma [B], per-frame sigma [B, T], noise, noised sample) at a fresh score level."""
+    def _score_point(self, x_hat: torch.Tensor, frame_mask: torch.Tensor,
+                     draws: SampleDraws | None = None):
+        """(sigma [B], per-frame sigma [B, T], noise, noised sample) at a fresh score level,
+        drawn from `draws` (default: samples keyed 0..B-1 at step 0)."""
         args = self.args
         b, frames = x_hat.shape[0], x_hat.shape[2]
-        sigma = sample_score_sigmas(b, shift=args.train_timestep_shift,
-                                    min_ratio=args.min_score_timestep_ratio,
-                                    max_ratio=args.max_score_timestep_ratio, device=x_hat.device)
+        draws = draws or SampleDraws(args.seed, 0, range(b), self.device)
+        sigma = draws.stack(lambda g: sample_score_sigmas(
+            1, shift=args.train_timestep_shift, min_ratio=args.min_score_timestep_ratio,
+            max_ratio=args.max_score_timestep_ratio, device=x_hat.device, generator=g)[0])
         anchored = None if bool(frame_mask[:, 0].all()) else ~frame_mask[:, 0]
         s = ro.frame_sigmas(sigma, b, frames, anchored, device=x_hat.device)
-        noise = torch.randn_like(x_hat)
+        noise = draws.normal_like(x_hat)
         return sigma, s, noise, flow.interpolate(x_hat.detach(), noise, s)
 
-    def generator_loss(self, x_hat: torch.Tensor, frame_mask: torch.Tensor, captions: Captions):
+    def generator_loss(self, x_hat: torch.Tensor, frame_mask: torch.Tensor, captions: Captions,
+                       draws: SampleDraws | None = None):
         """The student's DMD surrogate loss for its sample x_hat (with grad) and diagnostics."""
         with torch.no_grad():
-            sigma, s, _, x_noisy = self._score_point(x_hat, frame_mask)
+            sigma, s, _, x_noisy = self._score_point(x_hat, frame_mask, draws)
             real = teacher_x0(self.teacher, x_noisy, s, captions, self.args.real_guidance_scale)
             fake = critic_x0(self.critic, x_noisy, s, captions)
             g = dmd_gradient(x_hat.detach(), fake, real, frame_mask)
@@ -308,18 +328,18 @@ class DMDSGFStage(Stage):
         return loss, {"score_sigma_mean": float(sigma.mean()),
                       "dmd_grad_rms": float(g.square().mean().sqrt())}
 
-    def critic_loss(self, x_hat: torch.Tensor, frame_mask: torch.Tensor,
-                    captions: Captions) -> torch.Tensor:
+    def critic_loss(self, x_hat: torch.Tensor, frame_mask: torch.Tensor, captions: Captions,
+                    draws: SampleDraws | None = None) -> torch.Tensor:
         """The critic's FM loss on the (constant) student sample x_hat."""
-        _, s, noise, x_noisy = self._score_point(x_hat, frame_mask)
+        _, s, noise, x_noisy = self._score_point(x_hat, frame_mask, draws)
         velocity = self.critic(x_noisy, s * N, captions.text, captions.mask)
         return critic_flow_loss(velocity, x_hat, noise, frame_mask)
 
-    def _anchored(self, batch: int) -> torch.Tensor | None:
+    def _anchored(self, draws: SampleDraws) -> torch.Tensor | None:
         """Which samples keep their first latent frame as a clean anchor (image_cond_prob)."""
         if self.args.image_cond_prob <= 0:
             return None
-        return (torch.rand(batch) < self.args.image_cond_prob).to(self.device)
+        return (draws.uniform() < self.args.image_cond_prob).to(self.device)
 
     def _captions(self, batch: dict) -> Captions:
         return Captions(batch["text"], batch["text_mask"], self.null_text, self.null_mask)

@@ -8,76 +8,77 @@ image_cond_prob / video_cond_prob the first 1 / video_cond_frames latent frames 
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
 from trainer import flow
+from trainer.distributed import gradient_sync, mean_across_ranks
+from trainer.sample_draws import SampleDraws
 from trainer.stages.base import (Stage, WarmStartSource, autocast_context, batch_to_device, clip_and_check,
                                   learning_rates)
 
 
-def sample_condition_frames(batch_size: int, num_frames: int, *, image_prob: float,
-                            video_prob: float, video_frames: int,
-                            generator: torch.Generator | None = None) -> torch.Tensor:
-    """Per sample, how many leading latent frames are given clean (0, 1 or video_frames)."""
-    u = torch.rand(batch_size, generator=generator)
-    clean = torch.zeros(batch_size, dtype=torch.long)
+def sample_condition_frames(u: torch.Tensor, num_frames: int, *, image_prob: float,
+                            video_prob: float, video_frames: int) -> torch.Tensor:
+    """Per sample, how many leading latent frames are given clean (0, 1 or video_frames), from
+    one uniform draw per sample `u` [B]."""
+    clean = torch.zeros(u.shape[0], dtype=torch.long, device=u.device)
     clean[u < image_prob] = 1
     clean[(u >= image_prob) & (u < image_prob + video_prob)] = min(video_frames, num_frames - 1)
     return clean
 
 
 def drop_captions(text: torch.Tensor, mask: torch.Tensor, null_text: torch.Tensor,
-                  null_mask: torch.Tensor, prob: float,
-                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Replace each sample's caption by the null caption with probability `prob`."""
-    if prob <= 0:
-        return text, mask
-    drop = torch.rand(text.shape[0], generator=generator) < prob
+                  null_mask: torch.Tensor, drop: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replace the captions of the samples where `drop` [B] is True by the null caption."""
     drop = drop.to(text.device)
     text = torch.where(drop[:, None, None], null_text.to(text)[None], text)
     mask = torch.where(drop[:, None], null_mask.to(mask.device)[None], mask)
     return text, mask
 
 
-def training_sigma(batch_size: int, args, num_tokens: int) -> torch.Tensor:
-    """One training sigma per sample [B] from the diffusion keys (§3.2)."""
+def training_sigma(draws: SampleDraws, args, num_tokens: int) -> torch.Tensor:
+    """One training sigma per sample [B] from the diffusion keys (§3.2), each from its own
+    generator."""
+    return draws.stack(lambda g: _one_sigma(g, args, num_tokens))
+
+
+def _one_sigma(generator: torch.Generator, args, num_tokens: int) -> torch.Tensor:
     return flow.sample_training_sigma(
-        batch_size, snr_type=args.flow_snr_type, lognorm_loc=args.flow_lognorm_loc,
+        1, snr_type=args.flow_snr_type, lognorm_loc=args.flow_lognorm_loc,
         lognorm_scale=args.flow_lognorm_scale, mode_scale=args.flow_mode_scale,
         mix_uniform_ratio=args.flow_mix_uniform_ratio, shift=args.train_timestep_shift,
         shift_mode=args.train_timestep_shift_mode, num_tokens=num_tokens,
         dynamic_base_tokens=args.dynamic_shift_base_tokens,
         dynamic_max_tokens=args.dynamic_shift_max_tokens,
-        dynamic_base_shift=args.dynamic_shift_base, dynamic_max_shift=args.dynamic_shift_max)
+        dynamic_base_shift=args.dynamic_shift_base, dynamic_max_shift=args.dynamic_shift_max,
+        generator=generator, device=generator.device)[0]
 
 
 def fm_loss_packed(model: nn.Module, batch: dict, args, null_text: torch.Tensor,
-                   null_mask: torch.Tensor, patch_size) -> tuple[torch.Tensor, dict]:
-    """The FM loss of one pack (trainer.data.loader.collate_pack): the same draws and loss as
-    fm_loss, per sample (each its own sigma at its own token count, caption drop and clean
-    frames), the model run once over the pack; the loss is the mean over its samples."""
+                   null_mask: torch.Tensor, patch_size, draws: SampleDraws) -> tuple[torch.Tensor, dict]:
+    """The FM loss of one pack (trainer.data.loader.collate_pack): the same draws, in the same
+    order, and the same loss as fm_loss per sample (each its own caption drop, sigma at its own
+    token count, clean frames and noise), the model run once over the pack; the loss is the
+    mean over its samples."""
     pt, ph, pw = patch_size
     xs, texts, masks = batch["latents"], list(batch["text"]), list(batch["text_mask"])
-    # Drawn only when dropping can happen, as drop_captions does: the same random stream.
-    drop = torch.rand(len(xs)) < args.cfg_drop_prob if args.cfg_drop_prob > 0 else [False] * len(xs)
     inputs, times, targets = [], [], []
     for i, x0 in enumerate(xs):
+        one = draws.one(i)
         _, frames, h, w = x0.shape
-        sigma = training_sigma(1, args, (frames // pt) * (h // ph) * (w // pw)).to(x0.device)
-        clean = sample_condition_frames(1, frames, image_prob=args.image_cond_prob,
+        if bool(one.uniform()[0] < args.cfg_drop_prob):
+            texts[i], masks[i] = null_text.to(x0), null_mask.to(x0.device)
+        sigma = training_sigma(one, args, (frames // pt) * (h // ph) * (w // pw)).to(x0.device)
+        clean = sample_condition_frames(one.uniform(), frames, image_prob=args.image_cond_prob,
                                         video_prob=args.video_cond_prob,
                                         video_frames=args.video_cond_frames).to(x0.device)
         frame_mask = torch.arange(frames, device=x0.device)[None] >= clean[:, None]   # [1, T]
         sigma_frames = sigma[:, None] * frame_mask.float()
-        noise = torch.randn_like(x0)
+        noise = one.normal_like(x0[None])[0]
         inputs.append(flow.interpolate(x0[None], noise[None], sigma_frames)[0])
         times.append(flow.NUM_TRAIN_TIMESTEPS * sigma_frames[0])
         targets.append((x0, noise, frame_mask, sigma))
-        if drop[i]:
-            texts[i], masks[i] = null_text.to(x0), null_mask.to(x0.device)
     preds = model(inputs, times, texts, masks)
     losses = []
     for pred, (x0, noise, frame_mask, sigma) in zip(preds, targets):
@@ -103,21 +104,29 @@ class PackedForward(nn.Module):
 
 
 def fm_loss(model: nn.Module, batch: dict, args, null_text: torch.Tensor,
-            null_mask: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, dict]:
-    """The FM loss of one micro-batch (§3.2) and a few diagnostics."""
+            null_mask: torch.Tensor, num_tokens: int,
+            draws: SampleDraws | None = None) -> tuple[torch.Tensor, dict]:
+    """The FM loss of one micro-batch (§3.2) and a few diagnostics.
+
+    draws: the micro-batch's per-sample generators (trainer.sample_draws); without them
+    (the kernel warm-up) the samples are keyed 0..B-1 at step 0.
+    """
     x0 = batch["latents"]
     device = x0.device
     b, _, t_frames = x0.shape[:3]
-    text, mask = drop_captions(batch["text"], batch["text_mask"], null_text, null_mask,
-                               args.cfg_drop_prob)
-    sigma = training_sigma(b, args, num_tokens).to(device)
-    clean = sample_condition_frames(b, t_frames, image_prob=args.image_cond_prob,
+    if draws is None:
+        draws = SampleDraws(args.seed, 0, range(b), device)
+    # One fixed order of draws per sample: caption drop, sigma, conditioning, noise.
+    drop = draws.uniform() < args.cfg_drop_prob
+    text, mask = drop_captions(batch["text"], batch["text_mask"], null_text, null_mask, drop)
+    sigma = training_sigma(draws, args, num_tokens).to(device)
+    clean = sample_condition_frames(draws.uniform(), t_frames, image_prob=args.image_cond_prob,
                                     video_prob=args.video_cond_prob,
                                     video_frames=args.video_cond_frames).to(device)
     frame_idx = torch.arange(t_frames, device=device)
     frame_mask = frame_idx[None, :] >= clean[:, None]              # [B, T]: frames in the loss
     sigma_frames = sigma[:, None] * frame_mask.float()             # clean frames at t = 0
-    noise = torch.randn_like(x0)
+    noise = draws.normal_like(x0)
     x_t = flow.interpolate(x0, noise, sigma_frames)
     pred = model(x_t, flow.NUM_TRAIN_TIMESTEPS * sigma_frames, text, mask)
     weight = None
@@ -137,7 +146,8 @@ class FlowMatchingStage(Stage):
                  data, args, text_encoder, device: torch.device, dp_rank: int = 0,
                  dp_world: int = 1):
         self.model = model                    # the bare module (checkpoints, sampling)
-        self.train_model = train_model        # what runs forward/backward (DDP-wrapped or bare)
+        self.train_model = train_model        # what runs forward/backward (the model, or
+                                              # Stage1's teacher-forcing view of it)
         self.roles = {"transformer": model}
         self.optimizers = {"transformer": optimizer}
         self.schedulers = {"transformer": scheduler}
@@ -162,14 +172,13 @@ class FlowMatchingStage(Stage):
             batch = batch_to_device(self.data.next_batch(), self.device)
             samples += len(batch["sample_index"])
             self.tokens_per_sample = self.num_tokens(batch)
-            sync = micro == accum - 1 or not hasattr(self.train_model, "no_sync")
-            ctx = self.train_model.no_sync() if not sync else contextlib.nullcontext()
-            with ctx:
+            with gradient_sync(self.model, enabled=micro == accum - 1):
                 with autocast_context(self.device, args.dtype):
-                    loss, micro_stats = self.micro_batch_loss(batch, micro)
+                    loss, micro_stats = self.micro_batch_loss(batch, micro, self.draws(batch, step))
                 (loss / accum).backward()
             total += float(loss.detach()) / accum
             stats.append(micro_stats)
+        total = mean_across_ranks(total)
         grad_norm = clip_and_check(step, self.model, total, args.max_grad_norm)
         lrs = learning_rates(optimizer)  # the LRs this step uses (the scheduler moves them on)
         optimizer.step()
@@ -180,13 +189,18 @@ class FlowMatchingStage(Stage):
         return {"loss": total, "grad_norm": grad_norm, **lrs, "samples": samples,
                 **self.merge_stats(stats)}
 
-    def micro_batch_loss(self, batch: dict, micro: int) -> tuple[torch.Tensor, dict]:
+    def draws(self, batch: dict, step: int) -> SampleDraws:
+        """The per-sample generators of a batch at `step`, keyed by its global sample indices."""
+        return SampleDraws(self.args.seed, step, batch["sample_keys"], self.device)
+
+    def micro_batch_loss(self, batch: dict, micro: int,
+                         draws: SampleDraws) -> tuple[torch.Tensor, dict]:
         """The loss of one micro-batch (index `micro` within the step) and its diagnostics."""
         if batch.get("packed"):
             return fm_loss_packed(self.train_model, batch, self.args, self.null_text,
-                                  self.null_mask, self.model.config["patch_size"])
+                                  self.null_mask, self.model.config["patch_size"], draws)
         return fm_loss(self.train_model, batch, self.args, self.null_text, self.null_mask,
-                       self.tokens_per_sample)
+                       self.tokens_per_sample, draws)
 
     @staticmethod
     def merge_stats(stats: list[dict]) -> dict:

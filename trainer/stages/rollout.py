@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from trainer import flow
+from trainer.sample_draws import SampleDraws
 
 N = flow.NUM_TRAIN_TIMESTEPS
 
@@ -111,11 +112,14 @@ def loss_frame_mask(anchored: torch.Tensor | None, batch: int, frames: int,
     return mask
 
 
-def _randn(shape, like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Gaussian noise like `like`: from the global RNG, or from `generator` (drawn on its
-    device, then moved) so seeded samples do not depend on the compute device."""
+def _randn(shape, like: torch.Tensor, generator) -> torch.Tensor:
+    """Gaussian noise like `like`: from the global RNG, from `generator` (drawn on its
+    device, then moved) so seeded samples do not depend on the compute device, or from each
+    sample's own stream when `generator` is a SampleDraws (training: split-independent)."""
     if generator is None:
         return torch.randn(shape, device=like.device, dtype=like.dtype)
+    if isinstance(generator, SampleDraws):
+        return generator.normal_like(like)
     return torch.randn(shape, generator=generator, device=generator.device).to(like)
 
 
@@ -205,7 +209,7 @@ class Rollout:
 def simulate_rollout(student: CachedStudent, noise: torch.Tensor, sigmas: list[float],
                      exit_index: int, *, anchor: torch.Tensor | None = None,
                      anchored: torch.Tensor | None = None,
-                     generator: torch.Generator | None = None,
+                     generator: torch.Generator | SampleDraws | None = None,
                      grad_at_exit: bool = False) -> Rollout:
     """Roll the student out chunk by chunk from `noise` [B, C, T, H, W] (§7.4 reference loop).
 

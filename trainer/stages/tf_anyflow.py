@@ -29,6 +29,7 @@ from trainer import flow
 from trainer.distributed import gather_across_ranks, sum_across_ranks
 from trainer.checkpoint_layout import CheckpointError
 from trainer.stages.base import WarmStartSource
+from trainer.sample_draws import SampleDraws
 from trainer.stages.fm import FlowMatchingStage, sample_condition_frames
 
 N = flow.NUM_TRAIN_TIMESTEPS
@@ -62,11 +63,6 @@ class TimePairs(NamedTuple):
     kind: torch.Tensor
 
 
-def logical_rank(dp_rank: int, dp_world: int, accum: int, micro: int) -> tuple[int, int]:
-    """(rank', world') of a micro-batch: each grad-accumulation micro-batch is a logical rank."""
-    return dp_rank * accum + micro, dp_world * accum
-
-
 def kind_counts(global_batch: int, diffusion_ratio: float,
                 consistency_ratio: float) -> tuple[int, int]:
     """(n_d, n_c): how many samples of the global batch are diffusion, then consistency.
@@ -88,11 +84,18 @@ def pair_kinds(batch_size: int, rank: int, world: int, diffusion_ratio: float,
     """
     if not 0 <= rank < world:
         raise ValueError(f"rank must lie in [0, {world}), got {rank}")
-    n_d, n_c = kind_counts(world * batch_size, diffusion_ratio, consistency_ratio)
-    g = torch.arange(batch_size) + rank * batch_size
-    kind = torch.full((batch_size,), FLOW_MAP, dtype=torch.long)
-    kind[g < n_d + n_c] = CONSISTENCY
-    kind[g < n_d] = DIFFUSION
+    return kinds_at(torch.arange(batch_size) + rank * batch_size, world * batch_size,
+                    diffusion_ratio, consistency_ratio)
+
+
+def kinds_at(positions: torch.Tensor, global_batch: int, diffusion_ratio: float,
+             consistency_ratio: float) -> torch.Tensor:
+    """Kinds (long) of the samples at `positions` (0 <= p < global_batch) of the global batch:
+    p < n_d diffusion, then n_c consistency, the rest flow map."""
+    n_d, n_c = kind_counts(global_batch, diffusion_ratio, consistency_ratio)
+    kind = torch.full(positions.shape, FLOW_MAP, dtype=torch.long)
+    kind[positions < n_d + n_c] = CONSISTENCY
+    kind[positions < n_d] = DIFFUSION
     return kind
 
 
@@ -111,11 +114,17 @@ def sample_time_pairs(batch_size: int, *, rank: int = 0, world: int = 1,
         raise ValueError(f"unknown pair sampler {sampler!r}; valid: {', '.join(PAIR_SAMPLERS)}")
     u1 = torch.rand(batch_size, generator=generator)
     u2 = torch.rand(batch_size, generator=generator)
+    kind = pair_kinds(batch_size, rank, world, diffusion_ratio, consistency_ratio)
+    return time_pairs_from(u1, u2, kind, sampler)
+
+
+def time_pairs_from(u1: torch.Tensor, u2: torch.Tensor, kind: torch.Tensor,
+                    sampler: str) -> TimePairs:
+    """The (t, r) pairs of sample_time_pairs from its two uniform draws per sample and kinds."""
     if sampler == "v15":
         t, r = u1, u2 * u1
     else:
         t, r = torch.maximum(u1, u2), torch.minimum(u1, u2)
-    kind = pair_kinds(batch_size, rank, world, diffusion_ratio, consistency_ratio)
     r = torch.where(kind == DIFFUSION, t, r)
     r = torch.where(kind == CONSISTENCY, torch.zeros_like(r), r)
     return TimePairs(t, r, kind)
@@ -274,7 +283,7 @@ def reduce_anyflow_losses(losses: torch.Tensor, is_diffusion: torch.Tensor,
 # ---------------------------------------------------------------------------------------------
 
 class TeacherForcingForward(nn.Module):
-    """`forward` = model.forward_teacher_forcing, so DDP's hooks see every u call."""
+    """`forward` = model.forward_teacher_forcing: the stage's u calls go through one callable."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -282,14 +291,6 @@ class TeacherForcingForward(nn.Module):
 
     def forward(self, noisy, clean, t, text, text_mask=None, r=None):
         return self.model.forward_teacher_forcing(noisy, clean, t, text, text_mask, r=r)
-
-
-def caption_drop_mask(batch_size: int, prob: float,
-                      generator: torch.Generator | None = None) -> torch.Tensor:
-    """bool [B]: which captions are replaced by the null caption (for CFG and u_null)."""
-    if prob <= 0:
-        return torch.zeros(batch_size, dtype=torch.bool)
-    return torch.rand(batch_size, generator=generator) < prob
 
 
 def with_null_captions(text: torch.Tensor, mask: torch.Tensor, drop: torch.Tensor,
@@ -302,27 +303,35 @@ def with_null_captions(text: torch.Tensor, mask: torch.Tensor, drop: torch.Tenso
 
 
 def anyflow_batch_loss(u_model: nn.Module, batch: dict, args, null_text: torch.Tensor,
-                       null_mask: torch.Tensor, *, rank: int, world: int,
-                       num_tokens: int) -> tuple[torch.Tensor, dict]:
+                       null_mask: torch.Tensor, *, num_tokens: int,
+                       draws: SampleDraws | None = None, positions: torch.Tensor | None = None,
+                       global_batch: int | None = None) -> tuple[torch.Tensor, dict]:
     """The Stage1 loss of one micro-batch (§6.8) and its diagnostics.
 
     u_model: called as u_model(noisy, clean, t, text, text_mask, r) -> the noisy-half
-    teacher-forcing prediction (TeacherForcingForward, possibly DDP-wrapped). rank, world:
-    the logical data-parallel position of this micro-batch. Returns (loss, stats) where stats
-    holds per-kind sums and counts of the unscaled losses and the diffusion reference.
+    teacher-forcing prediction (TeacherForcingForward). draws: the per-sample generators
+    (trainer.sample_draws; default: samples keyed 0..B-1 at step 0). positions [B]: where the
+    samples sit in the global batch of `global_batch` samples, which decides their kinds
+    (default: 0..B-1 of B). Returns (loss, stats) where stats holds per-kind sums and counts
+    of the unscaled losses and the diffusion reference.
     """
     x0 = batch["latents"]
     device, b, frames = x0.device, x0.shape[0], x0.shape[2]
-    drop = caption_drop_mask(b, args.cfg_drop_prob)
+    if draws is None:
+        draws = SampleDraws(args.seed, 0, range(b), device)
+    if positions is None:
+        positions, global_batch = torch.arange(b), b
+    # One fixed order of draws per sample: caption drop, u1, u2, conditioning, noise.
+    drop = (draws.uniform() < args.cfg_drop_prob).cpu()
     text, mask = with_null_captions(batch["text"], batch["text_mask"], drop, null_text, null_mask)
-    pairs = sample_time_pairs(b, rank=rank, world=world,
-                              diffusion_ratio=args.anyflow_diffusion_ratio,
-                              consistency_ratio=args.anyflow_consistency_ratio,
-                              sampler=args.anyflow_pair_sampler)
+    u1, u2 = draws.uniform().cpu(), draws.uniform().cpu()
+    kind = kinds_at(positions, global_batch, args.anyflow_diffusion_ratio,
+                    args.anyflow_consistency_ratio)
+    pairs = time_pairs_from(u1, u2, kind, args.anyflow_pair_sampler)
     time_dtype = torch.float64 if x0.dtype == torch.float64 else torch.float32
     t_raw, r_raw = (v.to(device) for v in raw_time_pairs(pairs, pair_shift(args, num_tokens),
                                                          time_dtype))
-    clean = sample_condition_frames(b, frames, image_prob=args.image_cond_prob,
+    clean = sample_condition_frames(draws.uniform(), frames, image_prob=args.image_cond_prob,
                                     video_prob=args.video_cond_prob,
                                     video_frames=args.video_cond_frames).to(device)
     frame_mask = torch.arange(frames, device=device)[None, :] >= clean[:, None]  # in the loss
@@ -341,7 +350,7 @@ def anyflow_batch_loss(u_model: nn.Module, batch: dict, args, null_text: torch.T
     # Fusion applies to captioned samples; a dropped caption keeps the plain target (w = 1),
     # which trains u(. | null) on its own velocity.
     w = torch.where(drop, 1.0, float(args.anyflow_fuse_guidance_scale)).to(device)
-    residual, _ = anyflow_residual(u_fn, x0, torch.randn_like(x0), t_frames, r_frames,
+    residual, _ = anyflow_residual(u_fn, x0, draws.normal_like(x0), t_frames, r_frames,
                                    epsilon=args.anyflow_epsilon, frame_mask=frame_mask,
                                    guidance=w, u_null_fn=u_null_fn)
     losses = masked_mean_square(residual, frame_mask)
@@ -367,12 +376,16 @@ class TFAnyFlowStage(FlowMatchingStage):
 
     name = "tf_anyflow"
 
-    def micro_batch_loss(self, batch: dict, micro: int) -> tuple[torch.Tensor, dict]:
-        rank, world = logical_rank(self.dp_rank, self.dp_world,
-                                   self.args.gradient_accumulation_steps, micro)
-        return anyflow_batch_loss(self.train_model, batch, self.args, self.null_text,
-                                  self.null_mask, rank=rank, world=world,
-                                  num_tokens=self.tokens_per_sample)
+    def micro_batch_loss(self, batch: dict, micro: int,
+                         draws: SampleDraws) -> tuple[torch.Tensor, dict]:
+        # A step's sample keys are consecutive stream indices, so key mod the global batch is
+        # the sample's place in it whatever the split (dp ranks, micro-batches).
+        args = self.args
+        global_batch = args.train_batch_size * args.gradient_accumulation_steps * self.dp_world
+        positions = torch.tensor(batch["sample_keys"]) % global_batch
+        return anyflow_batch_loss(self.train_model, batch, args, self.null_text,
+                                  self.null_mask, num_tokens=self.tokens_per_sample,
+                                  draws=draws, positions=positions, global_batch=global_batch)
 
     @staticmethod
     def merge_stats(stats: list[dict]) -> dict:

@@ -1,0 +1,125 @@
+"""The topology and memory a stage is checked for before it starts (trainer.topology,
+trainer.memory_estimate, trainer.preflight.describe_plan)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.args import resolve_config
+from trainer.memory_estimate import estimate_memory, model_parameters
+from trainer.preflight import describe_plan
+from trainer.schema import ConfigError
+from trainer.topology import plan_mesh
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "config" / "tiny" / "pretrain.yaml")
+PRODUCTION = str(REPO / "config" / "pretrain.yaml")
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"hidden_size": 64, "num_attention_heads": 2, "num_layers": 3, "mlp_ratio": 2.5,
+     "qk_norm": False, "rope_axes_dim": [8, 12, 12]},
+    {"two_time": True, "causal_chunk_size": 2, "out_channels": 6, "text_dim": 48},
+])
+def test_parameter_count_is_the_real_models(overrides):
+    from trainer.model import VideoDiT
+    from trainer.model_config import MODEL_CONFIG_DEFAULTS
+
+    cfg = {**MODEL_CONFIG_DEFAULTS, **overrides}
+    model = VideoDiT(**cfg)
+    assert model_parameters(cfg) == sum(p.numel() for p in model.parameters())
+
+
+def _pythonpath() -> str:
+    """This checkout first, then whatever the caller's environment already had."""
+    return os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+
+
+def test_mesh_splits_hybrid_shard_by_node_or_explicit_group():
+    full = plan_mesh(16, cp_size=2, hybrid_shard=False, shard_group_size=None, ranks_per_node=8)
+    assert (full.dp_replicate, full.dp_shard, full.cp, full.shard_group) == (1, 8, 2, 16)
+    node = plan_mesh(16, cp_size=2, hybrid_shard=True, shard_group_size=None, ranks_per_node=8)
+    assert (node.dp_replicate, node.dp_shard, node.cp, node.dp_world) == (2, 4, 2, 8)
+    explicit = plan_mesh(4, cp_size=1, hybrid_shard=True, shard_group_size=2, ranks_per_node=4)
+    assert (explicit.dp_replicate, explicit.dp_shard) == (2, 2)
+
+
+@pytest.mark.parametrize("world, kwargs, says", [
+    (6, dict(cp_size=4, hybrid_shard=False, shard_group_size=None), "6 is not divisible by cp_size 4"),
+    (6, dict(cp_size=1, hybrid_shard=True, shard_group_size=4), "6 / 4 = 1.5 replicas"),
+    (8, dict(cp_size=4, hybrid_shard=True, shard_group_size=2), "not a multiple of cp_size 4"),
+    (8, dict(cp_size=1, hybrid_shard=False, shard_group_size=2), "would be ignored"),
+])
+def test_bad_splits_are_refused_with_the_arithmetic(world, kwargs, says):
+    with pytest.raises(ConfigError, match=says.replace(".", r"\.").replace("/", "/")):
+        plan_mesh(world, ranks_per_node=8, **kwargs)
+
+
+def test_sharding_divides_the_states_and_cp_the_activations():
+    cfg = resolve_config(PRODUCTION, {}, check_paths=False)
+    from trainer.schema import model_config
+
+    common = dict(stage="fm", use_muon=False, use_ema=False, batch_per_rank=1,
+                  video_tokens=75600, text_tokens=512, checkpointing=True)
+    one = estimate_memory(model_config(cfg), shard_group=1, cp=1, **common)
+    eight = estimate_memory(model_config(cfg), shard_group=8, cp=2, **common)
+    assert eight.states_gib == pytest.approx(one.states_gib / 8)
+    assert eight.activations_gib == pytest.approx(one.activations_gib * (37800 + 512) / 76112)
+    no_ckpt = estimate_memory(model_config(cfg), shard_group=1, cp=1,
+                              **{**common, "checkpointing": False})
+    assert no_ckpt.activations_gib > 5 * one.activations_gib
+
+
+def test_the_production_pretrain_fits_an_h200_only_with_its_context_parallel_split():
+    args = resolve_config(PRODUCTION, {}, world_size=1920, check_paths=False)
+    plan = describe_plan(args, 1920, 8)
+    assert "world 1920 = dp_replicate 240 x dp_shard 4 x cp 2" in plan
+    assert "= 1920 samples a step" in plan
+    with pytest.raises(ConfigError) as err:
+        resolve_config(PRODUCTION, {"cp_size": 1, "gradient_accumulation_steps": 1,
+                                    "hybrid_shard": False}, world_size=1920, check_paths=False)
+    message = str(err.value)
+    assert "does not fit the GPU" in message and "gpu_memory_gib is 141" in message
+    assert "activations: 75608 tokens per rank" in message  # the arithmetic is shown
+    assert "75600 video / cp 1 + 8 caption" in message
+
+
+def _dry_run(*extra: str, **env: str) -> subprocess.CompletedProcess:
+    environ = {**os.environ, "PYTHONPATH": _pythonpath(), **env}
+    return subprocess.run([sys.executable, str(REPO / "trainer" / "train.py"), "--config", TINY,
+                           "--output_dir", "/tmp/unused", "--dry-run", *extra],
+                          capture_output=True, text=True, env=environ, timeout=120)
+
+
+def test_dry_run_prints_topology_and_memory_beside_the_json():
+    proc = _dry_run("--hybrid_shard", "true", "--train_batch_size", "4",
+                    RANK="0", WORLD_SIZE="4", LOCAL_WORLD_SIZE="2")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.lstrip().startswith("{")
+    assert "world 4 = dp_replicate 2 x dp_shard 2 x cp 1" in proc.stderr
+    assert "train_batch_size 4 x gradient accumulation 1 x dp 4 = 16 samples" in proc.stderr
+    assert "total ~" in proc.stderr
+
+
+def test_dry_run_refuses_a_bad_topology_without_a_traceback():
+    proc = _dry_run("--hybrid_shard", "true", "--shard_group_size", "4",
+                    RANK="0", WORLD_SIZE="6", LOCAL_WORLD_SIZE="6")
+    assert proc.returncode == 2
+    assert "6 / 4 = 1.5 replicas" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_production_pipeline_plans_each_stage_with_its_topology_and_memory():
+    from launcher.pipeline import validate_pipeline
+
+    pipeline = validate_pipeline(REPO / "config" / "pipeline" / "production-example.yaml",
+                                 root="/tmp/relay-unit-root", cwd=REPO, check_paths=False,
+                                 only="pretrain")
+    plan = pipeline.stage("pretrain").plan
+    assert "world 1920 = dp_replicate 240 x dp_shard 4 x cp 2" in plan
+    assert "total ~" in plan and "GiB per GPU" in plan

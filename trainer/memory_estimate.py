@@ -1,0 +1,154 @@
+"""Memory per GPU of a stage, before anything starts (torch-free).
+
+`relay submit` and `train.py --dry-run` print this and refuse a stage that cannot fit
+`gpu_memory_gib`, showing the arithmetic, so a 240-node job does not fail its first step.
+
+What is counted, per rank (P = parameters of one model, S = ranks of a shard group):
+- states: fp32 parameters and gradients sharded over S (4 + 4 bytes / S each), AdamW's two
+  moments (8 bytes / S) or Muon's one momentum for the hidden matrices, the fp32 EMA shadow
+  (4 bytes / S); a frozen role (Stage2's teacher) holds its parameters only.
+- the FSDP2 working set: the unsharded compute-dtype copy of the block being run and of the
+  one prefetched, plus that block's unsharded fp32 gradient before its reduce-scatter.
+- activations of the trained forward at the configured sequence (video + caption tokens,
+  Stage1/Stage2 teacher forcing holds clean and noisy video), video tokens divided by cp
+  (Ulysses splits them; the caption stream runs whole on every cp rank): ACT_BYTES bytes
+  per token x hidden per block without checkpointing; with it, only each block's input
+  (CKPT_BYTES) plus one block's full activations during its recompute; selective
+  checkpointing adds each block's attention output (ATTENTION_BYTES, bf16: counted, not
+  calibrated).
+
+The two activation constants are calibrated, not derived: they reproduce the step peaks
+measured on one H200 at the Wan-1.3B size (32,760 video tokens, batch 1, bf16, SDPA): 111 GiB
+without and 41 GiB with activation checkpointing (issue 15), taking relay's model at that size
+(hidden 1536, 30 blocks, ffn 8960, text_dim 4096: 1.55B parameters, AdamW) and 512 caption
+tokens. They are the figures to re-check when the model's forward changes: the GPU part of
+benchmarks/scaling.py is to compare them with a measured peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+GIB = 2**30
+TIME_FREQ_DIM = 256   # trainer.model.TIME_FREQ_DIM (the sinusoidal timestep features)
+ACT_BYTES = 60.0      # saved bytes per token x hidden_size per block, no checkpointing (bf16)
+CKPT_BYTES = 9.0      # kept per token x hidden_size per block under full checkpointing
+ATTENTION_BYTES = 2.0  # selective checkpointing also keeps each block's bf16 attention output
+OVERHEAD_GIB = 2.0    # CUDA context, allocator fragmentation, communication buffers
+
+
+def block_parameters(cfg: dict) -> int:
+    """Parameters of one transformer block (attention, qk-norm, MLP, adaLN table)."""
+    h = cfg["hidden_size"]
+    m = int(h * cfg["mlp_ratio"])
+    head_dim = h // cfg["num_attention_heads"]
+    qk_norm = 2 * head_dim if cfg.get("qk_norm", True) else 0
+    return (3 * h * h + 3 * h) + (h * h + h) + (2 * h * m + m + h) + (6 * h * h + 6 * h) + qk_norm
+
+
+def model_parameters(cfg: dict) -> int:
+    """Parameters of a VideoDiT with model config `cfg` (trainer.model_config keys)."""
+    h = cfg["hidden_size"]
+    pt, ph, pw = cfg["patch_size"]
+    patch_in = cfg["in_channels"] * pt * ph * pw
+    patch_out = (cfg.get("out_channels") or cfg["in_channels"]) * pt * ph * pw
+    time_mlp = TIME_FREQ_DIM * h + h + h * h + h
+    root = ((patch_in * h + h) + (cfg["text_dim"] * h + h + h * h + h) + time_mlp
+            + (2 * h * h + 2 * h) + (h * patch_out + patch_out))
+    if cfg.get("two_time"):
+        root += time_mlp
+    return root + cfg["num_layers"] * block_parameters(cfg)
+
+
+def muon_parameters(cfg: dict) -> int:
+    """Parameters Muon updates (the blocks' hidden matrices: qkv, proj, the MLP); AdamW the rest."""
+    h = cfg["hidden_size"]
+    m = int(h * cfg["mlp_ratio"])
+    return cfg["num_layers"] * (3 * h * h + h * h + 2 * h * m)
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+    name: str
+    trained: bool
+    ema: bool = False
+
+
+def stage_roles(stage: str, use_ema: bool) -> list[Role]:
+    if stage == "dmd_sgf":
+        return [Role("student", True, use_ema), Role("critic", True), Role("teacher", False)]
+    return [Role("transformer", True, use_ema)]
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """GiB per GPU, by part; `lines` says how each was computed."""
+
+    states_gib: float
+    working_gib: float
+    activations_gib: float
+    overhead_gib: float
+    lines: tuple[str, ...]
+
+    @property
+    def total_gib(self) -> float:
+        return self.states_gib + self.working_gib + self.activations_gib + self.overhead_gib
+
+    def describe(self) -> str:
+        return "\n".join([*self.lines, f"  total ~{self.total_gib:.1f} GiB per GPU"])
+
+
+def estimate_memory(cfg: dict, *, stage: str, use_muon: bool, use_ema: bool,
+                    shard_group: int, cp: int, batch_per_rank: int, video_tokens: int,
+                    text_tokens: int, checkpointing: bool,
+                    selective: bool = False) -> MemoryEstimate:
+    """The memory one GPU needs for a step of `stage` (see the module docstring)."""
+    p = model_parameters(cfg)
+    per_block = block_parameters(cfg)
+    h, layers = cfg["hidden_size"], cfg["num_layers"]
+    lines = [f"  model: {p / 1e9:.3f}B parameters ({layers} blocks of {per_block / 1e6:.1f}M), "
+             f"sharded over {shard_group} rank(s)"]
+    states = 0.0
+    for role in stage_roles(stage, use_ema):
+        bytes_per = 4.0  # fp32 parameters
+        what = ["params 4"]
+        if role.trained:
+            muon = muon_parameters(cfg) if use_muon else 0
+            optim = (4 * muon + 8 * (p - muon)) / p
+            bytes_per += 4 + optim
+            what += ["grads 4", f"{'Muon+AdamW' if use_muon else 'AdamW'} {optim:.1f}"]
+        if role.ema:
+            bytes_per += 4
+            what.append("EMA 4")
+        role_gib = bytes_per * p / shard_group / GIB
+        states += role_gib
+        lines.append(f"  {role.name}: ({' + '.join(what)}) = {bytes_per:.1f} B x {p / 1e9:.3f}B "
+                     f"/ {shard_group} = {role_gib:.2f} GiB")
+    # Two blocks gathered in bf16 (the one running, the one prefetched), one block's fp32
+    # gradient before its reduce-scatter; nothing is gathered in one process.
+    working = (2 * 2 + 4) * per_block / GIB if shard_group > 1 else 0.0
+    lines.append(f"  FSDP2 working set: (2 blocks x 2 B + 4 B) x {per_block / 1e6:.1f}M = "
+                 f"{working:.2f} GiB")
+    video = video_tokens * (2 if stage in ("tf_anyflow", "dmd_sgf") else 1)
+    # Ulysses splits the video tokens; every cp rank runs the (short) caption stream whole.
+    tokens = batch_per_rank * (math.ceil(video / cp) + text_tokens)
+    unit = tokens * h / GIB
+    if checkpointing:
+        kept = CKPT_BYTES + (ATTENTION_BYTES if selective else 0.0)
+        acts = unit * (kept * layers + ACT_BYTES)
+        how = f"({kept:g} B x {layers} blocks + {ACT_BYTES:g} B for the recomputed one)"
+    else:
+        acts = unit * ACT_BYTES * layers
+        how = f"{ACT_BYTES:g} B x {layers} blocks"
+    lines.append(f"  activations: {tokens} tokens per rank (batch {batch_per_rank} x ({video} "
+                 f"video / cp {cp} + {text_tokens} caption)) x hidden {h} x {how} = "
+                 f"{acts:.2f} GiB ({_checkpointing_name(checkpointing, selective)})")
+    lines.append(f"  overhead: {OVERHEAD_GIB:g} GiB")
+    return MemoryEstimate(states, working, acts, OVERHEAD_GIB, tuple(lines))
+
+
+def _checkpointing_name(checkpointing: bool, selective: bool) -> str:
+    if not checkpointing:
+        return "without checkpointing"
+    return "selective checkpointing" if selective else "with checkpointing"
