@@ -76,14 +76,14 @@ def test_sharding_divides_the_states_and_cp_the_activations():
     assert no_ckpt.activations_gib > 5 * one.activations_gib
 
 
-def test_the_production_pretrain_fits_an_h200_only_with_its_context_parallel_split():
+def test_the_production_pretrain_fits_an_h200_and_a_longer_clip_is_refused_with_the_arithmetic():
     args = resolve_config(PRODUCTION, {}, world_size=1920, check_paths=False)
     plan = describe_plan(args, 1920, 8)
-    assert "world 1920 = dp_replicate 240 x dp_shard 4 x cp 2" in plan
+    assert "world 1920 = dp_replicate 240 x dp_shard 8 x cp 1" in plan
     assert "= 1920 samples a step" in plan
-    with pytest.raises(ConfigError) as err:
-        resolve_config(PRODUCTION, {"cp_size": 1, "gradient_accumulation_steps": 1,
-                                    "hybrid_shard": False}, world_size=1920, check_paths=False)
+    with pytest.raises(ConfigError) as err:  # 81 frames instead of 41: twice the activations
+        resolve_config(PRODUCTION, {"expected_latent_shape": [16, 21, 90, 160]},
+                       world_size=1920, check_paths=False)
     message = str(err.value)
     assert "does not fit the GPU" in message and "gpu_memory_gib is 141" in message
     assert "activations: 75608 tokens per rank" in message  # the arithmetic is shown
@@ -121,5 +121,5 @@ def test_the_production_pipeline_plans_each_stage_with_its_topology_and_memory()
                                  root="/tmp/relay-unit-root", cwd=REPO, check_paths=False,
                                  only="pretrain")
     plan = pipeline.stage("pretrain").plan
-    assert "world 1920 = dp_replicate 240 x dp_shard 4 x cp 2" in plan
+    assert "world 1920 = dp_replicate 240 x dp_shard 8 x cp 1" in plan
     assert "total ~" in plan and "GiB per GPU" in plan
