@@ -89,6 +89,7 @@ def _fm_args(tmp_path, **keys):
 
 @pytest.mark.parametrize("keys", [{}, {"flow_snr_type": "lognorm", "train_timestep_shift_mode": "dynamic"}])
 def test_packed_fm_loss_and_gradients_equal_the_per_sample_mean(tmp_path, keys):
+    from trainer.sample_draws import SampleDraws
     from trainer.stages.fm import PackedForward, fm_loss, fm_loss_packed
 
     args = _fm_args(tmp_path, **keys)
@@ -98,7 +99,10 @@ def test_packed_fm_loss_and_gradients_equal_the_per_sample_mean(tmp_path, keys):
     null_text, null_mask = torch.zeros(4, D), torch.ones(4, dtype=torch.bool)
     torch.manual_seed(11)
     pack = {"packed": True, "latents": xs, "text": texts, "text_mask": masks}
-    packed, _ = fm_loss_packed(PackedForward(model), pack, args, null_text, null_mask, (1, 2, 2))
+    # fm_loss without draws keys its one sample 0 at step 0: the pack's samples likewise.
+    draws = SampleDraws(args.seed, 0, [0] * len(xs))
+    packed, _ = fm_loss_packed(PackedForward(model), pack, args, null_text, null_mask, (1, 2, 2),
+                               draws)
     packed.backward()
     packed_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()

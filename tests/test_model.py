@@ -353,6 +353,7 @@ def test_gradient_checkpointing_gives_the_same_gradients_from_fewer_saved_activa
     plain = tiny(num_layers=3).train()
     checkpointed = prepare_for_training(
         copy.deepcopy(plain), SimpleNamespace(enable_gradient_checkpointing=True,
+                                            use_dedicated_gradient_checkpointing=False,
                                               compile_transformer=False))
     # Parameter names stay as they were: checkpoints and warm starts do not see it.
     assert list(checkpointed.state_dict()) == list(plain.state_dict())

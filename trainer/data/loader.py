@@ -36,10 +36,7 @@ class _PlannedBatches:
 def _common(items: list[dict]) -> dict:
     indices = [item["index"] for item in items]
     return {"captions": [item["caption"] for item in items], "ids": [item["id"] for item in items],
-            "indices": indices, "sample_index": torch.tensor(indices, dtype=torch.long),
-            # What keys a sample's random draws (trainer.sample_draws, with the step): its global
-            # index, the same whatever the number of ranks reading.
-            "sample_keys": [int(i) for i in indices]}
+            "indices": indices, "sample_index": torch.tensor(indices, dtype=torch.long)}
 
 
 def collate_batch(items: list[dict]) -> dict:
@@ -133,6 +130,7 @@ class DistributedBatchIterator:
         if self._batches is None:
             self._batches = self._start()
         batch = next(self._batches)
+        batch["sample_keys"] = self.plan.stream_keys(self.cursor, len(batch["sample_index"]))
         expected, self.cursor = self.plan.next(self.cursor)
         # The plan is deterministic, so the sampler and this cursor cannot drift; if they ever
         # did, the saved cursor would silently skip or repeat samples.

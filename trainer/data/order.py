@@ -133,6 +133,21 @@ class BatchPlan:
         draw = np.random.default_rng([self.seed, _MIX_KEY, batch]).random()
         return "image" if draw < self.image_sample_prob else "video"
 
+    def stream_keys(self, cursor: dict, count: int) -> list[int]:
+        """The global stream positions of the `count` samples of the batch at `cursor`: sample
+        p of this rank's epoch e is sample p x dp_world + dp_rank of the epoch's one global
+        order, the same sample whatever the number of ranks. They key the samples' random draws
+        (trainer.sample_draws), so the draws do not depend on how the world is split."""
+        stream = self.stream_of_batch(cursor["batch"])
+        place = cursor["streams"][stream]
+        epoch, start = place["epoch"], place["position"]
+        if start >= self.per_rank[stream]:
+            epoch, start = epoch + 1, 0
+        epoch_length = self.per_rank[stream] * self.dp_world
+        offset = sorted(self.streams).index(stream) << 48  # streams never share a key
+        return [offset + epoch * epoch_length + (start + i) * self.dp_world + self.dp_rank
+                for i in range(count)]
+
     def next(self, cursor: dict) -> tuple[np.ndarray, dict]:
         """(global indices of the batch at `cursor`, the cursor after it); `cursor` is unchanged."""
         cursor = copy.deepcopy(cursor)

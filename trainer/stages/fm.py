@@ -30,11 +30,27 @@ def sample_condition_frames(u: torch.Tensor, num_frames: int, *, image_prob: flo
 
 def drop_captions(text: torch.Tensor, mask: torch.Tensor, null_text: torch.Tensor,
                   null_mask: torch.Tensor, drop: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Replace the captions of the samples where `drop` [B] is True by the null caption."""
+    """Replace the captions of the samples where `drop` [B] is True by the null caption (padded,
+    masked out, to whichever of the two is longer)."""
     drop = drop.to(text.device)
+    if not bool(drop.any()):
+        return text, mask
+    length = max(text.shape[1], null_text.shape[0])
+    text, mask = _pad_tokens(text, mask, length)
+    null_text, null_mask = _pad_tokens(null_text[None], null_mask[None], length)
+    null_text, null_mask = null_text[0], null_mask[0]
     text = torch.where(drop[:, None, None], null_text.to(text)[None], text)
     mask = torch.where(drop[:, None], null_mask.to(mask.device)[None], mask)
     return text, mask
+
+
+def _pad_tokens(text: torch.Tensor, mask: torch.Tensor, length: int):
+    """Captions [B, L, D] and masks [B, L] padded with masked-out tokens to `length`."""
+    extra = length - text.shape[1]
+    if extra <= 0:
+        return text, mask
+    return (torch.cat([text, text.new_zeros(text.shape[0], extra, text.shape[2])], dim=1),
+            torch.cat([mask, mask.new_zeros(mask.shape[0], extra)], dim=1))
 
 
 def training_sigma(draws: SampleDraws, args, num_tokens: int) -> torch.Tensor:
