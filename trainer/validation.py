@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +71,7 @@ def run_validation(stage, args, step: int, output_dir: Path, latent_shape) -> di
     from trainer.inference import write_clip_files
     from trainer.sampling import sampler_for
 
+    started = time.perf_counter()
     captions = validation_captions(args.validation_num_captions)
     steps, guidance = sampler_settings(args)
     model = stage.sampling_model()
@@ -107,8 +109,11 @@ def run_validation(stage, args, step: int, output_dir: Path, latent_shape) -> di
     tmp = out / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=2))
     os.replace(tmp, out / "manifest.json")
-    log.info("validation step %d: %s -> %s", step,
-             ", ".join(f"{k} {v:.0%}" for k, v in metrics.items()), out)
+    seconds = time.perf_counter() - started
+    log.info("validation step %d: %s -> %s (%.1f s)", step,
+             ", ".join(f"{k} {v:.0%}" for k, v in metrics.items()), out, seconds)
+    # What validation costs the run: docs/training.md breaks a run's time down with it.
+    metrics["val/seconds"] = seconds
     return metrics
 
 
