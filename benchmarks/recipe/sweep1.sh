@@ -1,6 +1,7 @@
 # Recipe sweep 1, run as `taskset -c 4-15 bash sweep1.sh` in a checkout. GPU (fp32): pretrain batch/LR
 # variants, SFT from their checkpoints, Stage1/Stage2 step counts. CPU (cores 0-3): step costs.
-O=/tmp/g Q=/tmp/q; mkdir -p $O $Q; export PYTHONPATH=$PWD OMP_NUM_THREADS=1
+# Needs omegaconf: carry .venv/lib/python3.11/site-packages/omegaconf.
+O=/tmp/g Q=/tmp/q; mkdir -p $O $Q; export PYTHONPATH=$PWD:$PWD/.venv/lib/python3.11/site-packages OMP_NUM_THREADS=1
 T(){ n=$1 c=$2; shift 2; python3 trainer/train.py --config config/tiny/$c.yaml --output_dir $O/$n --dtype float32 "$@" >$O/$n.log 2>&1; }
 E(){ python3 -m launcher.cli eval --checkpoint $O/$1 --steps $2 --guidance $3 --out $O/$1/eval.json >>$O/$1.log 2>&1; }
 DS="--data_path $O/ds"; PRE="--data_path $O/dp --save_interval 100 --save_total_limit 0 --validation_interval 100"
