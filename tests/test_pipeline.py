@@ -99,6 +99,17 @@ def test_stage_config_errors_are_prefixed_with_the_stage_and_all_reported(tmp_pa
     assert problems[1].startswith("stage sft:") and "max_steps" in problems[1]
 
 
+def test_a_stage_reading_from_one_that_failed_validation_is_told_so(tmp_path):
+    data = two_stages(tmp_path)
+    data["stages"]["pretrain"]["overrides"]["learning_rat"] = 1e-3
+    problems = problems_of(write_pipeline(tmp_path, data))
+    assert len(problems) == 2
+    assert problems[0].startswith("stage pretrain:") and "learning_rate" in problems[0]
+    assert problems[1].startswith("stage sft: `pretrained_transformer_path`")
+    assert "stage pretrain failed validation" in problems[1]
+    assert "does not run" not in problems[1]
+
+
 def test_missing_train_yaml_is_reported(tmp_path):
     data = two_stages(tmp_path)
     data["stages"]["sft"]["config"] = "config/tiny/nope.yaml"
