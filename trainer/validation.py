@@ -4,6 +4,7 @@ Every `validation_interval` steps (and at the end of the run) rank 0 samples a f
 subset of the evaluation captions with the stage's own sampler, for the live weights and/or
 the EMA, and writes
 
+    samples/step-<N>/grid.png              every caption's clip, captioned, one block per weights
     samples/step-<N>/<weights>/grid.png    one row of frames per caption
     samples/step-<N>/<weights>/frames.npy  uint8 [captions, T, H, W, 3]
     samples/step-<N>/<weights>/clip-<i>.mp4|gif
@@ -68,7 +69,7 @@ def sampling_shift(args) -> float:
 def run_validation(stage, args, step: int, output_dir: Path, latent_shape) -> dict:
     """Sample, score and save; returns metrics {"val/<weights>/colour_accuracy": ...}."""
     from trainer.evaluate import latents_to_frames, score_clips
-    from trainer.inference import write_clip_files
+    from trainer.media import write_validation_grid
     from trainer.sampling import sampler_for
 
     started = time.perf_counter()
@@ -85,6 +86,7 @@ def run_validation(stage, args, step: int, output_dir: Path, latent_shape) -> di
     manifest = {"step": step, "stage": args.stage, "captions": captions, "sampler_steps": steps,
                 "guidance": guidance, "seed": args.validation_seed, "weights": {}}
     metrics = {}
+    blocks = []
     was_training = model.training
     model.eval()
     try:
@@ -104,8 +106,10 @@ def run_validation(stage, args, step: int, output_dir: Path, latent_shape) -> di
                 "per_caption": scores["per_caption"], "files": files}
             metrics[f"val/{weights}/colour_accuracy"] = scores["colour_accuracy"]
             metrics[f"val/{weights}/direction_accuracy"] = scores["direction_accuracy"]
+            blocks.append(_grid_block(output_dir.name, step, weights, clips, captions, scores))
     finally:
         model.train(was_training)
+    manifest["grid"] = str(write_validation_grid(out / "grid.png", blocks))
     tmp = out / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=2))
     os.replace(tmp, out / "manifest.json")
@@ -115,6 +119,15 @@ def run_validation(stage, args, step: int, output_dir: Path, latent_shape) -> di
     # What validation costs the run: docs/training.md breaks a run's time down with it.
     metrics["val/seconds"] = seconds
     return metrics
+
+
+def _grid_block(run: str, step: int, weights: str, clips, captions, scores):
+    from trainer.media import GridBlock, detection_verdicts
+
+    title = (f"{run} step {step}, {weights} weights: colour {scores['colour_accuracy']:.0%}, "
+             f"direction {scores['direction_accuracy']:.0%}")
+    return GridBlock(title=title, clips=clips, labels=captions,
+                     verdicts=detection_verdicts(scores["per_caption"]))
 
 
 def _weight_contexts(stage, model, which: str):
