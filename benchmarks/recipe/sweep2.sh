@@ -9,8 +9,6 @@ P(){ n=$1; shift; T $n pretrain --data_path $O/dp --save_interval 100 --save_tot
   for k in 1000 1200; do T s$n$k sft --data_path $O/ds --max_steps 150 --train_batch_size 16 --warmup_steps 20 --validation_interval 0 --pretrained_transformer_path $O/$n/checkpoint-$k && E $O/s$n$k 30 4 & done; wait; }
 for s in 1 2; do P w30s$s --warmup_steps 30 --seed $s & done
 P lr3 --warmup_steps 30 --muon_learning_rate 0.03 --learning_rate 1.5e-3 & P sh5 --warmup_steps 30 --train_timestep_shift 5 &
-P w10 --warmup_steps 10 & P lr4 --warmup_steps 30 --muon_learning_rate 0.04 --learning_rate 2e-3 &
-P b24 --warmup_steps 30 --train_batch_size 24 & P b32lr3s1 --train_batch_size 32 --max_steps 1000 --seed 1 --muon_learning_rate 0.03 --learning_rate 1.5e-3 --warmup_steps 50 &
 R(){ n=$1 cores=$2; cat >$C/$n.yaml <<Y
 name: $n
 root: $C/$n
@@ -21,7 +19,7 @@ stages:
   stage1: {config: config/tiny/stage1.yaml, overrides: {pretrained_transformer_path: '\${stages.sft.output_dir}', train_batch_size: 8, max_steps: 150, warmup_steps: 10, save_interval: 150, validation_interval: 0}}
   stage2: {config: config/tiny/stage2.yaml, overrides: {student_init_path: '\${stages.stage1.output_dir}', teacher_init_path: '\${stages.sft.output_dir}', critic_init_path: '\${stages.sft.output_dir}', max_steps: 100, save_interval: 100, validation_interval: 0}}
 Y
-  echo "start $EPOCHREALTIME" >$C/$n.times; OMP_NUM_THREADS=2 CUDA_VISIBLE_DEVICES= timeout 480 taskset -c $cores python3 -m launcher.cli run $C/$n.yaml >$C/$n.log 2>&1; echo "end $EPOCHREALTIME $?" >>$C/$n.times
+  echo "start $EPOCHREALTIME" >$C/$n.times; OMP_NUM_THREADS=2 CUDA_VISIBLE_DEVICES= timeout 400 taskset -c $cores python3 -m launcher.cli run $C/$n.yaml >$C/$n.log 2>&1; echo "end $EPOCHREALTIME $?" >>$C/$n.times
   E $C/$n/sft 30 4 & E $C/$n/stage1 4 1 & E $C/$n/stage2 4 1; wait; }
 R c1 0,1 "max_steps: 1200, save_interval: 600, validation_interval: 600" "max_steps: 100, save_interval: 100" &
 R c2 2,3 "max_steps: 1200, save_interval: 600, validation_interval: 600, seed: 1" "max_steps: 100, save_interval: 100" &
