@@ -59,6 +59,9 @@ def test_run_trains_each_stage_in_turn_and_records_the_pipeline(tmp_path):
         f"--checkpoint {root / 'pretrain'}`" in proc.stdout
     assert f"sft: samples of step 2 in {root / 'sft/samples/step-2'} (live colour" in proc.stdout
     assert not marker.exists()
+    # And one picture of the whole run.
+    assert f"relay run: plot of every stage: {root / 'plot.png'}" in proc.stdout
+    assert (root / "plot.png").stat().st_size > 0
 
     status = relay("status", str(root), cwd=tmp_path)
     lines = status.stdout.splitlines()
