@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -191,6 +193,33 @@ def test_production_example_renders_240_nodes_of_8_gpus():
     assert stage.resources.world_size == 1920
     assert stage.resources.network == "efa"
     assert stage.resources.time_min == 48 * 60
+
+
+def test_production_example_dry_runs_all_four_stages_at_240_nodes_of_8_gpus(tmp_path):
+    data = yaml.safe_load((ROOT / "config/pipeline/production-example.yaml").read_text())
+    data["root"] = str(tmp_path / "runs")
+    for name, stage in data["stages"].items():
+        stage["config"] = str(ROOT / stage["config"])
+        (tmp_path / f"data-{name}").mkdir()  # the latents live on the cluster's filesystem
+        stage.setdefault("overrides", {})["data_path"] = str(tmp_path / f"data-{name}")
+    path = write_pipeline(tmp_path, data)
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "submit", str(path), "--dry-run"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name, steps in (("pretrain", 200000), ("sft", 20000), ("stage1", 10000),
+                        ("stage2", 5000)):
+        assert f"  {name}: 240 node(s) x 8 GPUs = world 1920, {steps} steps" in proc.stdout
+    pipeline = validate_pipeline(path, cwd=tmp_path)
+    # Production Stage1/Stage2 YAMLs of their own, for the model of config/pretrain.yaml.
+    assert [Path(s.config).name for s in pipeline.stages] == \
+        ["pretrain.yaml", "sft.yaml", "stage1.yaml", "stage2.yaml"]
+    pretrain = pipeline.stage("pretrain").args.transformer_config_overrides
+    for name in ("stage1", "stage2"):
+        model = dict(pipeline.stage(name).args.transformer_config_overrides)
+        assert model.pop("causal_chunk_size") == 3 and isinstance(model.pop("two_time"), bool)
+        model.pop("time_gate", None)
+        assert model == pretrain, name
+    assert pipeline.stage("stage2").args.student_init_path == str(tmp_path / "runs/stage1")
 
 
 def test_bad_stage_names_are_refused_before_anything_else(tmp_path):
