@@ -59,10 +59,18 @@ def test_tiny_pipeline_validates_with_weights_wired_between_stages():
     assert sft.depends_on == ("pretrain",) and pretrain.depends_on == ()
     assert pretrain.resources.world_size == 1
     assert pipeline.workdir == str(ROOT)
-    # The tiny pipeline warms every stage.
-    assert pipeline.warmup.stages == ["pretrain", "sft", "stage1", "stage2"]
-    assert pipeline.warmup.before == "pretrain"
-    assert not any("no kernel warm-up" in n for n in pipeline.notes)
+    assert [s.name for s in pipeline.stages] == ["pretrain", "sft", "stage1", "stage2"]
+    # CPU has no kernel cache to fill: the short default skips the warm-up, the long one warms
+    # every stage (the production path).
+    assert pipeline.warmup is None
+    long = validate_pipeline(ROOT / "config/pipeline/tiny-long.yaml", root="/tmp/relay-unit-long",
+                             cwd=ROOT)
+    assert long.warmup.stages == ["pretrain", "sft", "stage1", "stage2"]
+    assert long.warmup.before == "pretrain"
+    assert not any("no kernel warm-up" in n for n in long.notes)
+    # The long variant is the same configs with more steps.
+    assert [s.config for s in long.stages] == [s.config for s in pipeline.stages]
+    assert all(a.args.max_steps > b.args.max_steps for a, b in zip(long.stages, pipeline.stages))
 
 
 def test_root_option_moves_default_output_dirs_and_interpolations(tmp_path):
