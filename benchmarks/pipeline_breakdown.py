@@ -9,10 +9,11 @@ output_dir per stage). Per stage:
   or to its run-result.json for the last one;
 - start-up: launch to the trainer's first train.log line (interpreter and torch import, data
   generation on a first run, model build, warm start);
-- steps: the number of steps times the median logged `step_time_s` (metrics.jsonl logs every
-  log_interval-th step, so this is an estimate; log_interval 1 makes it exact);
+- training: the trainer's first to last train.log line, less validation (the steps, and the
+  checkpoint saves between them);
 - validation: the sum of the validation steps' `val/seconds`;
-- other: what is left (checkpoint saves, logging, process exit).
+- exit: the last train.log line to the end (final save's tail, process exit);
+- median step: of the logged `step_time_s` (every log_interval-th step).
 
 It also says when each stage's last validation samples were on disk, counted from the first
 launch. It reads only; nothing is run.
@@ -33,14 +34,16 @@ def parse_time(text: str) -> float:
     return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%S%z").timestamp()
 
 
-def first_log_time(train_log: Path) -> float | None:
-    """The time of train.log's first line ('2026-12-01 09:32:16,199 INFO ...'), local time."""
+def log_times(train_log: Path) -> tuple[float, float] | None:
+    """The times of train.log's first and last lines ('2026-12-01 09:32:16,199 INFO ...',
+    local time); None without a readable log."""
     try:
-        with train_log.open() as f:
-            stamp = f.readline()[:23]
-        return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
-    except (OSError, ValueError):
+        stamps = [line[:23] for line in train_log.read_text().splitlines() if line[:2] == "20"]
+        first, last = (datetime.datetime.strptime(t, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                       for t in (stamps[0], stamps[-1]))
+    except (OSError, ValueError, IndexError):
         return None
+    return first, last
 
 
 def stage_breakdown(entry: dict, end: float | None) -> dict:
@@ -52,19 +55,19 @@ def stage_breakdown(entry: dict, end: float | None) -> dict:
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
                    if line.strip()]
     times = [r["step_time_s"] for r in records if "step_time_s" in r]
-    steps = records[-1]["step"] if records else 0
-    step_s = statistics.median(times) * steps if times else None
     validation = sum(r.get("val/seconds", 0.0) for r in records)
-    started = first_log_time(out / "train.log")
-    wall = end - launched if end is not None and launched is not None else None
-    startup = started - launched if started is not None and launched is not None else None
+    logged = log_times(out / "train.log")
+    known = launched is not None and logged is not None
     manifests = sorted(out.glob("samples/step-*/manifest.json"),
                        key=lambda p: int(p.parent.name.split("-")[1]))
-    known = [v for v in (startup, step_s, validation) if v is not None]
-    return {"steps": steps, "median_step_s": statistics.median(times) if times else None,
-            "wall_s": wall, "startup_s": startup, "steps_s": step_s, "validation_s": validation,
+    return {"steps": records[-1]["step"] if records else 0,
+            "median_step_s": statistics.median(times) if times else None,
+            "wall_s": end - launched if end is not None and launched is not None else None,
+            "startup_s": logged[0] - launched if known else None,
+            "training_s": logged[1] - logged[0] - validation if logged else None,
+            "validation_s": validation,
             "validations": sum(1 for r in records if "val/seconds" in r),
-            "other_s": wall - sum(known) if wall is not None else None,
+            "exit_s": end - logged[1] if logged and end is not None else None,
             "last_samples_at": manifests[-1].stat().st_mtime if manifests else None,
             "launched": launched}
 
@@ -93,14 +96,14 @@ def render(report: dict) -> str:
     def cell(value, unit="s"):
         return "-" if value is None else f"{value:.0f} {unit}" if unit else str(value)
 
-    header = ["stage", "steps", "step", "wall", "start-up", "steps", "validation", "other",
-              "samples at"]
+    header = ["stage", "steps", "median step", "wall", "start-up", "training", "validation",
+              "exit", "samples at"]
     rows = [header]
     for name, s in report["stages"].items():
         rows.append([name, str(s["steps"]), "-" if s["median_step_s"] is None else
                      f"{s['median_step_s']:.3f} s", cell(s["wall_s"]), cell(s["startup_s"]),
-                     cell(s["steps_s"]), f"{s['validation_s']:.0f} s ({s['validations']})",
-                     cell(s["other_s"]), cell(s["last_samples_at"])])
+                     cell(s["training_s"]), f"{s['validation_s']:.0f} s ({s['validations']})",
+                     cell(s["exit_s"]), cell(s["last_samples_at"])])
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
