@@ -97,7 +97,8 @@ def build_figure(runs: list[tuple[str, list[dict[str, Any]]]]):
     columns = max(1, len(runs))
     figure = Figure(figsize=(COLUMN_INCHES * columns, ROW_INCHES * len(PANELS)), dpi=DPI,
                     layout="constrained")
-    axes = figure.subplots(len(PANELS), columns, squeeze=False)
+    # One step axis per column: a stage validated once still shows where in its run.
+    axes = figure.subplots(len(PANELS), columns, squeeze=False, sharex="col")
     for col, (name, records) in enumerate(runs):
         for row, panel in enumerate(PANELS):
             draw_panel(axes[row][col], panel, records)
@@ -112,7 +113,6 @@ def draw_panel(ax, panel: Panel, records: list[dict[str, Any]]) -> None:
     if not keys:
         ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes,
                 color="grey")
-        ax.set_xticks([])
         ax.set_yticks([])
         return
     for key in keys:
