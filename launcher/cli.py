@@ -209,7 +209,31 @@ def cmd_run(ns: argparse.Namespace) -> int:
     if pipeline is None:
         return 2
     _print_plan(pipeline)
-    return run_pipeline_locally(pipeline)
+    code = run_pipeline_locally(pipeline)
+    _write_plot(pipeline.root, "relay run")
+    return code
+
+
+def _write_plot(root: str, verb: str) -> None:
+    """The run's picture at the end of `relay run`; a plot that cannot be drawn is a note only."""
+    from launcher.plot import PlotError, plot
+
+    try:
+        print(f"{verb}: plot of every stage: {plot(root)}")
+    except (PlotError, ImportError, OSError) as exc:
+        print(f"{verb}: no plot ({exc})")
+
+
+def cmd_plot(ns: argparse.Namespace) -> int:
+    from launcher.plot import PlotError, plot
+
+    try:
+        path = plot(ns.path, ns.out)
+    except PlotError as exc:
+        print(f"relay plot: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
@@ -431,6 +455,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="stage, job, Slurm state, step, loss, checkpoint, requeues")
     p.add_argument("root", help="pipeline directory (holds pipeline.json)")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("plot", help="losses, LR, grad norm, step time and validation scores "
+                                    "against step, as PNG")
+    p.add_argument("path", help="a pipeline directory (every stage side by side) or one run's "
+                                "output_dir")
+    p.add_argument("--out", help="PNG to write (default: <path>/plot.png)")
+    p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("cancel", help="scancel every queued or running job of a pipeline")
     p.add_argument("root", help="pipeline directory (holds pipeline.json)")

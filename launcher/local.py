@@ -32,6 +32,16 @@ def train_command(stage: StageSpec, python: str = sys.executable) -> list[str]:
     return [python, "-m", "trainer.train", *stage.train_argv]
 
 
+def process_identity(pid: int) -> dict:
+    """What identifies a stage's process for `relay status`: pid, start time and host."""
+    import socket
+
+    import psutil
+
+    return {"pid": pid, "pid_started": psutil.Process(pid).create_time(),
+            "host": socket.gethostname()}
+
+
 def explain_exit(stage: StageSpec, code: int, pipeline_path: str) -> str:
     """The message `relay run` prints when a stage ends with a non-zero code."""
     out = Path(stage.output_dir)
@@ -129,9 +139,16 @@ def run_pipeline_locally(pipeline: Pipeline, *, python: str = sys.executable,
         cmd = train_command(stage, python)
         echo(f"relay run: stage {stage.name} -> {stage.output_dir}")
         echo("  " + shlex.join(cmd))
+        child = subprocess.Popen(cmd, cwd=pipeline.workdir)
+        # `relay status` tells a running stage from a killed one by this process.
+        launched[stage.name].update(process_identity(child.pid))
+        write_record(pipeline.root, build_record(pipeline, launched, mode="local",
+                                                 previous=previous, warmup=warmup))
         try:
-            code = subprocess.run(cmd, cwd=pipeline.workdir).returncode
+            code = child.wait()
         except KeyboardInterrupt:
+            child.terminate()  # SIGTERM: the trainer saves at the step boundary and exits
+            child.wait()
             echo(f"relay run: interrupted during stage {stage.name}.")
             return 130
         if code != 0:

@@ -608,8 +608,10 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
         previous = name
 
     if check_paths:
+        invalid = [n for n in selected if n not in {s.name for s in specs}]
         for spec in specs:
-            problems.extend(check_weight_sources(spec, specs, output_dirs, notes))
+            problems.extend(check_weight_sources(spec, specs, output_dirs, notes,
+                                                 invalid=invalid))
     root_dir = _absolute(data["root"], base)
     warmup = None
     if not problems and cluster_resources is not None:
@@ -712,12 +714,14 @@ def has_complete_checkpoint(output_dir: str | os.PathLike) -> bool:
 
 
 def check_weight_sources(spec: StageSpec, launched: list[StageSpec], output_dirs: dict[str, str],
-                         notes: list[str]) -> list[str]:
+                         notes: list[str], *, invalid: list[str] = ()) -> list[str]:
     """Problems with the weights `spec` starts from (empty when fine).
 
     A path inside the output_dir of a stage launched before it in this submission is fine (that
-    stage produces it). Any other path must hold usable weights now. Appends a note when the
-    stage's own output_dir already has checkpoints (it will resume, not warm start).
+    stage produces it). Any other path must hold usable weights now. `invalid`: stages of this
+    submission that failed validation (a path of theirs is reported as such, not as missing).
+    Appends a note when the stage's own output_dir already has checkpoints (it will resume,
+    not warm start).
     """
     from trainer.checkpoint_layout import CheckpointError
     from trainer.weights_source import resolve_weights_source
@@ -732,6 +736,11 @@ def check_weight_sources(spec: StageSpec, launched: list[StageSpec], output_dirs
     for key in weight_path_keys(spec.args):
         value = spec.args[key]
         producer = next((n for n, d in output_dirs.items() if _is_within(value, d)), None)
+        if producer in invalid:
+            problems.append(f"stage {spec.name}: `{key}` ({value}) is stage {producer}'s "
+                            f"output_dir, and stage {producer} failed validation (above): fix "
+                            f"{producer} and this stage can start from it.")
+            continue
         if producer in order:
             if order.index(producer) < order.index(spec.name):
                 continue

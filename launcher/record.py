@@ -61,6 +61,9 @@ def build_record(pipeline: Pipeline, launched: dict[str, dict[str, Any]], *, mod
                 "sbatch": launched[name].get("sbatch"),
                 "launched": mode,
                 "launched_at": launched[name].get("launched_at", now_iso()),
+                # relay run only: the stage's process, so `relay status` can tell it runs.
+                **{k: launched[name][k] for k in ("pid", "pid_started", "host")
+                   if k in launched[name]},
                 "config": spec.config,
                 "max_steps": spec.args.get("max_steps"),
                 "job_name": spec.job_name,

@@ -2,9 +2,11 @@
 
 `collect_status(root)` reads `<root>/pipeline.json`, asks Slurm about the recorded jobs and
 reads each output_dir (metrics.jsonl, run-result.json, checkpoints); `render_status_table` turns
-that into the table `relay status` prints. Nothing here changes any state. A pipeline.json with
-a "warmup" entry (cluster.warmup) gets a first row for the kernel-cache warm-up job, whose step
-column counts the stages warmed so far.
+that into the table `relay status` prints. Nothing here changes any state. A stage launched by
+`relay run` has no Slurm job: its state comes from the process relay run recorded (pid, start
+time, host) and its run-result.json. A pipeline.json with a "warmup" entry (cluster.warmup)
+gets a first row for the kernel-cache warm-up job, whose step column counts the stages warmed
+so far.
 """
 
 from __future__ import annotations
@@ -84,7 +86,10 @@ class Progress:
 
 
 def read_progress(output_dir: str | os.PathLike, max_steps: int | None = None) -> Progress:
-    """Step and loss (metrics.jsonl / run-result.json), max_steps, newest complete checkpoint."""
+    """Step and loss (metrics.jsonl / run-result.json), max_steps, newest complete checkpoint.
+
+    Before a run's first metrics line the step is its newest checkpoint's (where it resumes).
+    """
     from trainer.checkpoint_layout import list_checkpoints
 
     out = Path(output_dir)
@@ -102,8 +107,56 @@ def read_progress(output_dir: str | os.PathLike, max_steps: int | None = None) -
         checkpoints = list_checkpoints(out)
     except OSError:
         checkpoints = []
+    if step is None and checkpoints:
+        step = int(checkpoints[-1].name.split("-")[-1])
     return Progress(step=step, max_steps=max_steps, loss=loss if isinstance(loss, (int, float)) else None,
                     checkpoint=checkpoints[-1].name if checkpoints else None, result=result)
+
+
+def local_process_alive(entry: dict[str, Any]) -> bool | None:
+    """Whether the process `relay run` recorded for a stage (pid, its start time, host) still
+    runs: None when nothing was recorded or it ran on another host (this host cannot tell)."""
+    import socket
+
+    import psutil
+
+    pid, started = entry.get("pid"), entry.get("pid_started")
+    if not isinstance(pid, int) or not isinstance(started, (int, float)):
+        return None
+    if entry.get("host") != socket.gethostname():
+        return None
+    try:
+        # The start time tells the stage's process from a later one that reused its pid.
+        return abs(psutil.Process(pid).create_time() - started) < 1.0
+    except psutil.Error:
+        return False
+
+
+def local_state(entry: dict[str, Any], progress: Progress) -> str:
+    """The state of a stage launched by `relay run` (no Slurm job): RUNNING while its process
+    lives, then what its run-result.json says; STOPPED when the process ended without one."""
+    alive = local_process_alive(entry)
+    if alive:
+        return "RUNNING"
+    result = progress.result or {}
+    if result.get("status") and _written_by_this_launch(entry):
+        return str(result["status"]).upper()
+    if alive is False:
+        return "STOPPED"  # killed before it could write run-result.json
+    if progress.step is not None:
+        return "STARTED"  # metrics but no result, and no process to ask (running, or killed)
+    return "NOT RUN"
+
+
+def _written_by_this_launch(entry: dict[str, Any]) -> bool:
+    """Whether run-result.json is newer than the recorded launch (not a previous attempt's)."""
+    started = entry.get("pid_started")
+    if not isinstance(started, (int, float)):
+        return True
+    try:
+        return (Path(entry.get("output_dir", "")) / "run-result.json").stat().st_mtime >= started
+    except OSError:
+        return False
 
 
 def find_log(output_dir: str | os.PathLike, job_id: str | None) -> str | None:
@@ -130,12 +183,8 @@ def stage_status(name: str, entry: dict[str, Any], job: JobInfo | None,
     result = progress.result or {}
     if job_id:
         state = job.state if job else "UNKNOWN"
-    elif result.get("status"):
-        state = str(result["status"]).upper()
-    elif progress.step is not None:
-        state = "STARTED"  # relay run: metrics but no result yet (running, or killed)
     else:
-        state = "NOT RUN"
+        state = local_state(entry, progress)
     row = StageStatus(name=name, job_id=job_id, state=state, step=progress.step,
                       max_steps=progress.max_steps, loss=progress.loss,
                       checkpoint=progress.checkpoint, requeues=job.requeues if job else None,
@@ -143,6 +192,10 @@ def stage_status(name: str, entry: dict[str, Any], job: JobInfo | None,
     if state in FAILED_STATES or state == "UNKNOWN":
         row.reason = explain_failure(state, job, result, entry, dependency_states,
                                      waits_for=waits_for)
+        row.log = find_log(out, job_id)
+    elif state == "STOPPED":
+        row.reason = (f"its process ended without writing run-result.json (killed?); resume "
+                      f"with: relay run <pipeline> --from {name}")
         row.log = find_log(out, job_id)
     return row
 

@@ -46,6 +46,9 @@ def test_run_trains_each_stage_in_turn_and_records_the_pipeline(tmp_path):
     assert record["mode"] == "local"
     assert {n: (s["job_id"], s["depends_on"], s["sbatch"]) for n, s in record["stages"].items()} == \
         {"pretrain": (None, [], None), "sft": (None, ["pretrain"], None)}
+    # Each stage's process, for `relay status` to tell a running stage from a killed one.
+    assert all(isinstance(s["pid"], int) and s["pid_started"] > 0 and s["host"]
+               for s in record["stages"].values())
     assert json.loads((root / "sft/run-result.json").read_text())["status"] == "completed"
     warm = json.loads((root / "sft/warm-start.json").read_text())
     assert str(root / "pretrain/checkpoint-3") in json.dumps(warm["source"])
@@ -56,6 +59,9 @@ def test_run_trains_each_stage_in_turn_and_records_the_pipeline(tmp_path):
         f"--checkpoint {root / 'pretrain'}`" in proc.stdout
     assert f"sft: samples of step 2 in {root / 'sft/samples/step-2'} (live colour" in proc.stdout
     assert not marker.exists()
+    # And one picture of the whole run.
+    assert f"relay run: plot of every stage: {root / 'plot.png'}" in proc.stdout
+    assert (root / "plot.png").stat().st_size > 0
 
     status = relay("status", str(root), cwd=tmp_path)
     lines = status.stdout.splitlines()

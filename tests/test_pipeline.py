@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,10 +59,18 @@ def test_tiny_pipeline_validates_with_weights_wired_between_stages():
     assert sft.depends_on == ("pretrain",) and pretrain.depends_on == ()
     assert pretrain.resources.world_size == 1
     assert pipeline.workdir == str(ROOT)
-    # The tiny pipeline warms every stage.
-    assert pipeline.warmup.stages == ["pretrain", "sft", "stage1", "stage2"]
-    assert pipeline.warmup.before == "pretrain"
-    assert not any("no kernel warm-up" in n for n in pipeline.notes)
+    assert [s.name for s in pipeline.stages] == ["pretrain", "sft", "stage1", "stage2"]
+    # CPU has no kernel cache to fill: the short default skips the warm-up, the long one warms
+    # every stage (the production path).
+    assert pipeline.warmup is None
+    long = validate_pipeline(ROOT / "config/pipeline/tiny-long.yaml", root="/tmp/relay-unit-long",
+                             cwd=ROOT)
+    assert long.warmup.stages == ["pretrain", "sft", "stage1", "stage2"]
+    assert long.warmup.before == "pretrain"
+    assert not any("no kernel warm-up" in n for n in long.notes)
+    # The long variant is the same configs with more steps.
+    assert [s.config for s in long.stages] == [s.config for s in pipeline.stages]
+    assert all(a.args.max_steps > b.args.max_steps for a, b in zip(long.stages, pipeline.stages))
 
 
 def test_root_option_moves_default_output_dirs_and_interpolations(tmp_path):
@@ -97,6 +107,17 @@ def test_stage_config_errors_are_prefixed_with_the_stage_and_all_reported(tmp_pa
     assert len(problems) == 2
     assert problems[0].startswith("stage pretrain:") and "learning_rate" in problems[0]
     assert problems[1].startswith("stage sft:") and "max_steps" in problems[1]
+
+
+def test_a_stage_reading_from_one_that_failed_validation_is_told_so(tmp_path):
+    data = two_stages(tmp_path)
+    data["stages"]["pretrain"]["overrides"]["learning_rat"] = 1e-3
+    problems = problems_of(write_pipeline(tmp_path, data))
+    assert len(problems) == 2
+    assert problems[0].startswith("stage pretrain:") and "learning_rate" in problems[0]
+    assert problems[1].startswith("stage sft: `pretrained_transformer_path`")
+    assert "stage pretrain failed validation" in problems[1]
+    assert "does not run" not in problems[1]
 
 
 def test_missing_train_yaml_is_reported(tmp_path):
@@ -180,6 +201,33 @@ def test_production_example_renders_240_nodes_of_8_gpus():
     assert stage.resources.world_size == 1920
     assert stage.resources.network == "efa"
     assert stage.resources.time_min == 48 * 60
+
+
+def test_production_example_dry_runs_all_four_stages_at_240_nodes_of_8_gpus(tmp_path):
+    data = yaml.safe_load((ROOT / "config/pipeline/production-example.yaml").read_text())
+    data["root"] = str(tmp_path / "runs")
+    for name, stage in data["stages"].items():
+        stage["config"] = str(ROOT / stage["config"])
+        (tmp_path / f"data-{name}").mkdir()  # the latents live on the cluster's filesystem
+        stage.setdefault("overrides", {})["data_path"] = str(tmp_path / f"data-{name}")
+    path = write_pipeline(tmp_path, data)
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "submit", str(path), "--dry-run"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name, steps in (("pretrain", 200000), ("sft", 20000), ("stage1", 10000),
+                        ("stage2", 5000)):
+        assert f"  {name}: 240 node(s) x 8 GPUs = world 1920, {steps} steps" in proc.stdout
+    pipeline = validate_pipeline(path, cwd=tmp_path)
+    # Production Stage1/Stage2 YAMLs of their own, for the model of config/pretrain.yaml.
+    assert [Path(s.config).name for s in pipeline.stages] == \
+        ["pretrain.yaml", "sft.yaml", "stage1.yaml", "stage2.yaml"]
+    pretrain = pipeline.stage("pretrain").args.transformer_config_overrides
+    for name in ("stage1", "stage2"):
+        model = dict(pipeline.stage(name).args.transformer_config_overrides)
+        assert model.pop("causal_chunk_size") == 3 and isinstance(model.pop("two_time"), bool)
+        model.pop("time_gate", None)
+        assert model == pretrain, name
+    assert pipeline.stage("stage2").args.student_init_path == str(tmp_path / "runs/stage1")
 
 
 def test_bad_stage_names_are_refused_before_anything_else(tmp_path):

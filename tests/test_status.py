@@ -114,3 +114,65 @@ def test_pipeline_record_follows_the_contract_and_keeps_earlier_stages(tmp_path)
                          previous=back)
     assert again["stages"]["pretrain"]["job_id"] == "10"
     assert again["stages"]["sft"]["job_id"] == "12" and again["stages"]["sft"]["depends_on"] == []
+
+
+def _stage_process(tmp_path: Path):
+    """A real process standing in for a stage's trainer, and the entry relay run records."""
+    import socket
+    import subprocess
+    import sys
+
+    import psutil
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    entry = {"output_dir": str(tmp_path), "job_id": None, "max_steps": 9, "pid": child.pid,
+             "pid_started": psutil.Process(child.pid).create_time(),
+             "host": socket.gethostname()}
+    return child, entry
+
+
+def test_a_local_stage_is_running_from_its_start_and_shows_its_newest_checkpoint(tmp_path):
+    (tmp_path / "checkpoint-5").mkdir()
+    (tmp_path / "checkpoint-5" / "COMPLETE").write_text("{}")
+    child, entry = _stage_process(tmp_path)
+    try:
+        row = stage_status("sft", entry, None, {})
+        # No metrics line yet (building, or resuming): running, at its checkpoint's step.
+        assert (row.state, row.step, row.max_steps, row.checkpoint) == \
+            ("RUNNING", 5, 9, "checkpoint-5")
+        assert row.reason is None
+        assert render_status_table([row]).splitlines()[1].split()[:4] == \
+            ["sft", "-", "RUNNING", "5/9"]
+    finally:
+        child.kill()
+        child.wait()
+    row = stage_status("sft", entry, None, {})
+    assert row.state == "STOPPED"
+    assert "ended without writing run-result.json" in row.reason and "--from sft" in row.reason
+
+
+def test_a_previous_attempts_result_does_not_hide_the_running_one(tmp_path):
+    import os
+
+    result = tmp_path / "run-result.json"
+    result.write_text(json.dumps({"status": "preempted", "step": 4}))
+    os.utime(result, (1, 1))  # written long before this attempt started
+    child, entry = _stage_process(tmp_path)
+    try:
+        assert stage_status("pretrain", entry, None, {}).state == "RUNNING"
+    finally:
+        child.kill()
+        child.wait()
+    assert stage_status("pretrain", entry, None, {}).state == "STOPPED"
+    result.write_text(json.dumps({"status": "completed", "step": 9}))  # this attempt's own
+    assert stage_status("pretrain", entry, None, {}).state == "COMPLETED"
+
+
+def test_a_pid_reused_by_another_process_is_not_the_stage(tmp_path):
+    child, entry = _stage_process(tmp_path)
+    try:
+        entry["pid_started"] -= 3600  # the recorded stage started an hour before this process
+        assert stage_status("pretrain", entry, None, {}).state == "STOPPED"
+    finally:
+        child.kill()
+        child.wait()

@@ -192,6 +192,18 @@ def test_validation_writes_its_manifest_last_and_its_scores_into_metrics(feature
     assert (feature_run / "samples" / "step-4" / "manifest.json").is_file()  # and the last step
 
 
+def test_each_validation_step_has_one_captioned_grid_of_all_its_clips(feature_run):
+    from PIL import Image
+
+    for step in (2, 4):
+        step_dir = feature_run / "samples" / f"step-{step}"
+        manifest = json.loads((step_dir / "manifest.json").read_text())
+        assert manifest["grid"] == str(step_dir / "grid.png")
+        # 2 captions in one row of 4 panels (8 frames of 16 px at 2x), live weights only.
+        assert Image.open(step_dir / "grid.png").size == (8 + 4 * (8 * 32 + 7 * 2 + 8),
+                                                          8 + 22 + (32 + 28 + 8) + 8)
+
+
 def test_image_conditioned_run_trains_and_relay_sample_continues_the_given_first_frame(
         feature_run, tmp_path):
     from PIL import Image

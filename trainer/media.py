@@ -1,10 +1,19 @@
-"""The files a user looks at: clips as video + contact sheet + raw frames, validation grids.
+"""The files a user looks at: clips as video + contact sheet + raw frames, and the picture of
+a validation step.
 
 Frames are uint8 [T, H, W, 3]. Tiny clips are upscaled by pixel repetition so they can be seen.
+`write_validation_grid` draws each clip as a strip of its frames (time runs left to right), the
+caption under it, several clips to a row, one block per set of weights (live, EMA) under a
+title with that block's scores. A caption whose colour and direction the detector read right
+is written in green; a wrong one in red, with what was read instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -61,3 +70,116 @@ def write_validation_files(clips: list[np.ndarray], out: Path) -> dict:
         paths = write_clip_files(clip, out / f"clip-{i:02d}")
         videos.append(str(paths["video"]))
     return {"grid": str(out / "grid.png"), "frames": str(out / "frames.npy"), "videos": videos}
+
+
+PAD = 8          # pixels around every clip and block
+FRAME_GAP = 2    # pixels between the frames of a strip
+LINE = 14        # height of one text line
+TITLE = 22       # height of a block's title row
+BACKGROUND = (24, 24, 24)
+TEXT, RIGHT, WRONG = (230, 230, 230), (90, 210, 90), (235, 80, 80)
+
+
+@dataclasses.dataclass(frozen=True)
+class GridBlock:
+    """One block of the grid: a title and clips with their labels."""
+
+    title: str
+    clips: Sequence[np.ndarray]             # uint8 [T, H, W, 3] each, all the same shape
+    labels: Sequence[str]                   # drawn under each clip
+    verdicts: Sequence[str | None] = ()     # per clip: None = read right, else what was read
+
+
+@dataclasses.dataclass(frozen=True)
+class GridLayout:
+    """Where things go: every clip is a cell of cell_w x cell_h pixels."""
+
+    columns: int
+    scale: int
+    cell_w: int
+    cell_h: int
+    clip_h: int
+
+    def block_height(self, num_clips: int) -> int:
+        rows = math.ceil(num_clips / self.columns)
+        return TITLE + rows * (self.cell_h + PAD)
+
+    def width(self) -> int:
+        return PAD + self.columns * (self.cell_w + PAD)
+
+    def cell_origin(self, top: int, index: int) -> tuple[int, int]:
+        """(x, y) of clip `index`'s first frame in a block that starts at row `top`."""
+        row, col = divmod(index, self.columns)
+        return PAD + col * (self.cell_w + PAD), top + TITLE + row * (self.cell_h + PAD)
+
+
+def grid_layout(clip_shape: Sequence[int], *, columns: int, frame_px: int) -> GridLayout:
+    """The layout for clips of shape [T, H, W, 3]: frames upscaled by a whole factor so the
+    shorter side is about frame_px, two text lines under each strip."""
+    frames, height, width = (int(v) for v in clip_shape[:3])
+    scale = max(1, frame_px // max(1, min(height, width)))
+    cell_w = frames * width * scale + (frames - 1) * FRAME_GAP
+    clip_h = height * scale
+    return GridLayout(columns=columns, scale=scale, cell_w=cell_w, cell_h=clip_h + 2 * LINE,
+                      clip_h=clip_h)
+
+
+def render_grid(blocks: Sequence[GridBlock], *, columns: int = 4, frame_px: int = 32):
+    """The grid as a PIL image. Raises ValueError for no clips or clips of differing shapes."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    shapes = {tuple(np.shape(c)) for b in blocks for c in b.clips}
+    if len(shapes) != 1:
+        raise ValueError(f"a grid needs clips of one shape [T, H, W, 3], got {sorted(shapes)}")
+    layout = grid_layout(next(iter(shapes)), columns=columns, frame_px=frame_px)
+    height = PAD + sum(layout.block_height(len(b.clips)) + PAD for b in blocks)
+    image = Image.new("RGB", (layout.width(), height), BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    font = ImageFont.load_default()
+    top = PAD
+    for block in blocks:
+        draw.text((PAD, top + 4), block.title, fill=TEXT, font=font)
+        for i, (clip, label) in enumerate(zip(block.clips, block.labels)):
+            x, y = layout.cell_origin(top, i)
+            image.paste(Image.fromarray(_strip(np.asarray(clip), layout.scale)), (x, y))
+            verdict = block.verdicts[i] if i < len(block.verdicts) else None
+            draw.text((x, y + layout.clip_h + 1), label, fill=WRONG if verdict else RIGHT,
+                      font=font)
+            if verdict:
+                draw.text((x, y + layout.clip_h + 1 + LINE), verdict, fill=WRONG, font=font)
+        top += layout.block_height(len(block.clips)) + PAD
+    return image
+
+
+def _strip(clip: np.ndarray, scale: int) -> np.ndarray:
+    """Frames [T, H, W, 3] side by side, each upscaled `scale` times, FRAME_GAP apart."""
+    big = clip.repeat(scale, axis=1).repeat(scale, axis=2)
+    gap = np.full((big.shape[1], FRAME_GAP, 3), BACKGROUND, dtype=np.uint8)
+    parts = []
+    for i, frame in enumerate(big):
+        if i:
+            parts.append(gap)
+        parts.append(frame)
+    return np.concatenate(parts, axis=1)
+
+
+def write_validation_grid(path: str | os.PathLike, blocks: Sequence[GridBlock], **layout) -> Path:
+    """Render the grid and write it as PNG at `path` (atomically: readers never see half)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    render_grid(blocks, **layout).save(tmp, format="PNG")
+    os.replace(tmp, path)
+    return path
+
+
+def detection_verdicts(per_caption: Sequence[dict]) -> list[str | None]:
+    """Per caption of trainer.evaluate.score_clips: None when colour and direction were read
+    right, else what the detector read ("read: red, none")."""
+    verdicts = []
+    for row in per_caption:
+        if row["colour_ok"] and row["direction_ok"]:
+            verdicts.append(None)
+        else:
+            verdicts.append(f"read: {row['detected_colour'] or 'no colour'}, "
+                            f"{row['detected_direction'] or 'no motion'}")
+    return verdicts

@@ -4,6 +4,7 @@ Every `validation_interval` steps (and at the end of the run) rank 0 samples a f
 subset of the evaluation captions with the stage's own sampler, for the live weights and/or
 the EMA, and writes
 
+    samples/step-<N>/grid.png              every caption's clip, captioned, one block per weights
     samples/step-<N>/<weights>/grid.png    one row of frames per caption
     samples/step-<N>/<weights>/frames.npy  uint8 [captions, T, H, W, 3]
     samples/step-<N>/<weights>/clip-<i>.mp4|gif
@@ -16,6 +17,7 @@ error and training goes on.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -54,7 +56,9 @@ def run_validation(stage, args, step: int, output_dir: Path, latent_shape,
     from trainer.files import write_json
     from trainer.media import write_validation_files
     from trainer.sampling import sampler_for, sampler_settings, sampling_shift
+    from trainer.media import write_validation_grid
 
+    started = time.perf_counter()
     captions = validation_captions(args.validation_num_captions)
     steps, guidance = sampler_settings(args)
     model = stage.sampling_model()
@@ -67,6 +71,7 @@ def run_validation(stage, args, step: int, output_dir: Path, latent_shape,
     manifest = {"step": step, "stage": args.stage, "captions": captions, "sampler_steps": steps,
                 "guidance": guidance, "seed": args.validation_seed, "weights": {}}
     metrics = {}
+    blocks = []
     was_training = model.training
     model.eval()
     try:
@@ -86,14 +91,28 @@ def run_validation(stage, args, step: int, output_dir: Path, latent_shape,
                 "per_caption": scores["per_caption"], "files": files}
             metrics[f"val/{weights}/colour_accuracy"] = scores["colour_accuracy"]
             metrics[f"val/{weights}/direction_accuracy"] = scores["direction_accuracy"]
+            blocks.append(_grid_block(output_dir.name, step, weights, clips, captions, scores))
     finally:
         model.train(was_training)
     if write:
         out.mkdir(parents=True, exist_ok=True)
+        manifest["grid"] = str(write_validation_grid(out / "grid.png", blocks))
         write_json(out / "manifest.json", manifest)
-    log.info("validation step %d: %s -> %s", step,
-             ", ".join(f"{k} {v:.0%}" for k, v in metrics.items()), out)
+    seconds = time.perf_counter() - started
+    log.info("validation step %d: %s -> %s (%.1f s)", step,
+             ", ".join(f"{k} {v:.0%}" for k, v in metrics.items()), out, seconds)
+    # What validation costs the run: docs/training.md breaks a run's time down with it.
+    metrics["val/seconds"] = seconds
     return metrics
+
+
+def _grid_block(run: str, step: int, weights: str, clips, captions, scores):
+    from trainer.media import GridBlock, detection_verdicts
+
+    title = (f"{run} step {step}, {weights} weights: colour {scores['colour_accuracy']:.0%}, "
+             f"direction {scores['direction_accuracy']:.0%}")
+    return GridBlock(title=title, clips=clips, labels=captions,
+                     verdicts=detection_verdicts(scores["per_caption"]))
 
 
 def _weight_contexts(stage, model, which: str):

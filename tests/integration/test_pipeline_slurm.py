@@ -1,7 +1,8 @@
 """`relay submit|status|cancel` and scripts/<stage>.sh against the real local Slurm cluster.
 
 Tiny runs only: 64 synthetic clips, batch 4, a handful of steps. Each test gives its jobs a
-unique name prefix so that other jobs on the cluster never confuse it.
+unique name prefix so that other jobs on the cluster never confuse it. One test submits the
+whole four-stage chain (pretrain -> SFT -> Stage1 -> Stage2) and preempts Stage2.
 """
 
 from __future__ import annotations
@@ -203,6 +204,60 @@ def test_submit_chains_pretrain_into_sft_with_weights_secrets_and_hostile_names_
     again = relay("submit", str(path), "--from", "sft", "--dry-run", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert "RESUMES" in again.stdout  # sft's own output_dir already holds checkpoints
+
+
+def test_all_four_stages_chain_each_from_its_predecessor_and_stage2_survives_a_requeue(
+        slurm_cluster, tmp_path):
+    name = unique("relay-it-four-")
+    keep = {"save_total_limit": 0}  # every checkpoint stays: "the newest" must be chosen
+    pretrain = stage("pretrain", tmp_path, max_steps=4, save_interval=2, **keep)
+    sft = stage("sft", tmp_path, max_steps=3, save_interval=2, **keep,
+                pretrained_transformer_path="${stages.pretrain.output_dir}")
+    stage1 = stage("stage1", tmp_path, max_steps=4, save_interval=2, **keep,
+                   data_path=str(tmp_path / "data-sft"),
+                   pretrained_transformer_path="${stages.sft.output_dir}")
+    steps = 40
+    stage2 = stage("stage2", tmp_path, max_steps=steps, save_interval=1000, **keep,
+                   data_path=str(tmp_path / "data-sft"),
+                   student_init_path="${stages.stage1.output_dir}",
+                   teacher_init_path="${stages.sft.output_dir}",
+                   critic_init_path="${stages.sft.output_dir}")
+    path = write_pipeline(tmp_path, name, {"pretrain": pretrain, "sft": sft, "stage1": stage1,
+                                           "stage2": stage2}, max_requeues=2)
+    proc = relay("submit", str(path), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    root = tmp_path / "runs"
+    record = json.loads((root / "pipeline.json").read_text())["stages"]
+    order = ["pretrain", "sft", "stage1", "stage2"]
+    ids = [record[s]["job_id"] for s in order]
+    assert [record[s]["depends_on"] for s in order] == [[], ["pretrain"], ["sft"], ["stage1"]]
+
+    # Preempt the distilling stage as Slurm would before its time limit: USR2 to its ranks.
+    wait_for_step(root / "stage2", 3, timeout=600)
+    subprocess.run(["scancel", "--signal=USR2", ids[3]], check=True, timeout=60)
+    assert wait_final(ids, timeout=600) == {i: "COMPLETED" for i in ids}
+
+    # Each stage started from the newest checkpoint of the right predecessor, and the right
+    # weights of it (EMA for the distillation stages).
+    def source(stage_name: str) -> str:
+        return json.loads((root / stage_name / "warm-start.json").read_text())["source"]
+
+    assert source("sft") == str(root / "pretrain" / "checkpoint-4" / "transformer")
+    assert source("stage1") == str(root / "sft" / "checkpoint-3" / "ema")
+    assert source("stage2") == (f"student {root / 'stage1' / 'checkpoint-4' / 'ema'}; "
+                                f"teacher {root / 'sft' / 'checkpoint-3' / 'ema'}; "
+                                f"critic {root / 'sft' / 'checkpoint-3' / 'ema'}")
+    # Stage2 saved at the signal, requeued, and went on from its own checkpoint (not from the
+    # three sources again): every step once.
+    out = root / "stage2"
+    assert logged_steps(out) == list(range(1, steps + 1))
+    log = (out / "slurm" / f"{ids[3]}_0_log.out").read_text()
+    assert "requeueing job" in log
+    assert f"resumed from {out / 'checkpoint-'}" in log
+    status = relay("status", str(root)).stdout.splitlines()
+    rows = {line.split()[0]: line.split() for line in status[1:5]}
+    assert [rows[s][2] for s in order] == ["COMPLETED"] * 4, status
+    assert rows["stage2"][3] == f"{steps}/{steps}" and rows["stage2"][6] == "1"
 
 
 def test_usr2_to_every_rank_saves_requeues_and_resumes_without_losing_or_repeating_a_step(

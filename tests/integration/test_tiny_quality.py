@@ -1,8 +1,10 @@
 """The embedded default learns: tiny pretrain then SFT, on this CPU, produce the captioned clips.
 
-This is the slow test of the suite (several minutes on 2 cores): it trains the shipped tiny
-configs unchanged (only the directories move into tmp) and scores the SFT checkpoint with
-`relay eval`, the same pixel detector users read. Figures and wall times: docs/training.md.
+This is the slow test of the suite: it trains the shipped tiny configs unchanged (only the
+directories move into tmp) and scores the SFT checkpoint with `relay eval`, the same pixel
+detector users read, against the bar the embedded default promises (docs/training.md).
+About 5 minutes on two idle cores; a loaded machine was measured 2.8x slower (issue 14), so
+its timeout is three times that.
 """
 
 import json
@@ -24,6 +26,7 @@ def train(config: str, *extra: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3 * 2.8 * 5 * 60)
 def test_tiny_pretrain_then_sft_draw_the_right_colour_and_direction(tmp_path):
     pretrain, sft = tmp_path / "pretrain", tmp_path / "sft"
     train("config/tiny/pretrain.yaml", "--output_dir", str(pretrain),
@@ -40,5 +43,5 @@ def test_tiny_pretrain_then_sft_draw_the_right_colour_and_direction(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["num_clips"] == 48
-    assert report["colour_accuracy"] >= 0.90, report
-    assert report["direction_accuracy"] >= 0.85, report
+    assert report["colour_accuracy"] >= 0.95, report
+    assert report["direction_accuracy"] >= 0.90, report
