@@ -638,7 +638,7 @@ def fake_python(tmp_path, monkeypatch):
     return str(path), read_calls
 
 
-def test_warmup_job_runs_trainer_kernels_per_stage_and_stops_at_the_first_failure(
+def test_warmup_job_runs_trainer_warmup_per_stage_and_stops_at_the_first_failure(
         tmp_path, monkeypatch, fake_python):
     from launcher.job import WarmupFailed, WarmupJob
 

@@ -8,8 +8,8 @@ was not made here; a crash leaves at worst a `.tmp` directory that nothing loads
 
 What is saved is generic: named *members*, each written with torch.distributed.checkpoint
 (DCP) into its own sub-directory, so FSDP2-sharded state saves and reshards. A member is a
-state dict, an object with `state_dict()`/`load_state_dict()` (`model_state(model)`,
-`optimizer_state(model, optimizer)`, an EMA), or a dict of those (one optimizer per role).
+state dict, an object with `state_dict()`/`load_state_dict()` (`ModelMember(model)`,
+`OptimizerMember(model, optimizer)`, an EMA), or a dict of those (one optimizer per role).
 Beside them: `training_state.pt` (rank 0's step, schedulers, RNG states, ...; read back with
 weights_only=True) and one data cursor JSON per data-parallel rank.
 
@@ -243,7 +243,7 @@ def _prepare_job(output_dir: str | os.PathLike, step: int, *, members: Mapping[s
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"checkpoint step must be a non-negative int, got {step!r}")
     if not members:
-        raise CheckpointError("a checkpoint needs at least one member, e.g. {'transformer': model_state(model)}")
+        raise CheckpointError("a checkpoint needs at least one member, e.g. {'transformer': ModelMember(model)}")
     extra_files = dict(extra_files or {})
     _check_names("member", members)
     _check_names("extra file", extra_files)
@@ -627,7 +627,7 @@ def load_checkpoint(
     """Load a checkpoint's members in place; return (training_state, this dp rank's data cursor).
 
     `members` as for `save_checkpoint`: state dicts are filled in place, Stateful objects
-    (`model_state(model)`, `optimizer_state(...)`) are filled and then loaded into their model
+    (`ModelMember(model)`, `OptimizerMember(...)`) are filled and then loaded into their model
     or optimizer. A collective when a process group is initialised. The cursor is None when
     `resume_data_state` is False: then the data-parallel topology is not checked and the data
     stream restarts (the caller should say so loudly).
