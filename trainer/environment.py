@@ -22,6 +22,7 @@ import os
 import platform
 import re
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -521,6 +522,41 @@ def print_probe(as_json: bool = False, import_kernels: bool = False) -> int:
     report = probe_environment(import_kernels=import_kernels)
     print(json.dumps(report, indent=2, sort_keys=True) if as_json else format_probe(report))
     return 0
+
+
+def launch_manifest(topo) -> dict:
+    """Who ran this, where and with what: launch-manifest.json, written by rank 0 at start
+    (`topo`: the run's trainer.distributed.Topology)."""
+    import torch
+
+    env = os.environ
+    return {
+        "host": socket.gethostname(),
+        "world_size": topo.world_size,
+        "ranks_per_node": int(env.get("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", "1")
+                                      .split("(")[0] or 1)),
+        "cp_size": topo.cp_size,
+        "device": str(topo.device),
+        "slurm_job_id": env.get("SLURM_JOB_ID"),
+        "slurm_array_job_id": env.get("SLURM_ARRAY_JOB_ID"),
+        "slurm_array_task_id": env.get("SLURM_ARRAY_TASK_ID"),
+        "slurm_restart_count": env.get("SLURM_RESTART_COUNT"),
+        "git_commit": _git_commit(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "argv": sys.argv,
+        "environment": probe_environment(),
+    }
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 if __name__ == "__main__":  # `python -m trainer.environment [--json] [--import-kernels]`

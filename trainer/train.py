@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,7 +29,7 @@ from trainer.build import build_stage
 from trainer.cuda_memory import configure_cuda_allocator
 from trainer.distributed import (Topology, any_rank, barrier, destroy, init_distributed,
                                  ranks_per_node_from_env, world_size_from_env)
-from trainer.environment import probe_environment
+from trainer.environment import launch_manifest
 from trainer.files import write_json
 from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler, interrupts_deferred
 from trainer.run_lock import RunLock, RunLockError, acquire_run_lock
@@ -145,7 +143,6 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
     if topo.is_main:  # only now: a run that fails to start leaves the previous run's files
         write_json(out / "resolved-config.json", dict(args))
         manifest = launch_manifest(topo)
-        manifest["environment"] = probe_environment()
         write_json(out / "launch-manifest.json", manifest)
     if start_step >= args.max_steps:
         manager.close()
@@ -229,37 +226,6 @@ def _metrics_record(step: int, numbers: dict, step_time: float, samples: int, el
               "peak_device_mem_gb": (torch.cuda.max_memory_allocated() / 2**30
                                      if torch.cuda.is_available() else 0.0)}
     return record
-
-
-def launch_manifest(topo: Topology) -> dict:
-    """Who ran this, where and with what (written by rank 0 at start)."""
-    env = os.environ
-    return {
-        "host": socket.gethostname(),
-        "world_size": topo.world_size,
-        "ranks_per_node": int(env.get("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", "1")
-                                      .split("(")[0] or 1)),
-        "cp_size": topo.cp_size,
-        "device": str(topo.device),
-        "slurm_job_id": env.get("SLURM_JOB_ID"),
-        "slurm_array_job_id": env.get("SLURM_ARRAY_JOB_ID"),
-        "slurm_array_task_id": env.get("SLURM_ARRAY_TASK_ID"),
-        "slurm_restart_count": env.get("SLURM_RESTART_COUNT"),
-        "git_commit": _git_commit(),
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "argv": sys.argv,
-    }
-
-
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def _setup_logging() -> None:
