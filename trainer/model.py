@@ -135,14 +135,15 @@ def grid_positions(num_frames: int, rows: int, cols: int, frame_start: int,
 class InputDtypeLayerNorm(nn.LayerNorm):
     """LayerNorm that returns its input's dtype, also under autocast.
 
-    Autocast runs layer_norm in float32 and returns float32: a bf16 residual then leaves a
+    Autocast runs layer_norm in float32 and returns float32: a bf16 residual would then leave a
     float32 copy of every normalised activation for the backward. The kernel accumulates in
-    float32 either way; only its output is rounded, and the next linear rounds it anyway.
+    float32 either way; only its output is rounded, and the next linear rounds it anyway. A
+    cast, not an autocast-disabled region: that region in a compiled block makes AOTAutograd
+    bypass its cache, so the kernel warm-up could not fill it for training.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, enabled=False):
-            return super().forward(x)
+        return super().forward(x).to(x.dtype)
 
 
 class HeadRMSNorm(nn.RMSNorm):

@@ -123,8 +123,10 @@ def _random_batch(shapes: dict, device: torch.device) -> dict:
     return {
         "latents": torch.randn(b, *shapes["latent"], device=device),
         "text": torch.randn(b, length, shapes["text_dim"], device=device),
-        # Training always passes a mask, so attention takes its masked path: keep that here.
-        "text_mask": torch.ones(b, length, dtype=torch.bool, device=device),
+        # Captions are padded to text_max_tokens, so training attends over per-sample caption
+        # lengths (the padded attention plan, not the full one): the warm-up does the same.
+        "text_mask": torch.arange(length, device=device)[None, :].expand(b, -1)
+        < max(1, (length + 1) // 2),
     }
 
 
