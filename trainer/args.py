@@ -367,12 +367,17 @@ def _absolute_paths_skip_config(args: ResolvedArgs, base: Path) -> None:
     args.update(values)
 
 
-def resolve_args(argv: list[str] | None = None, *, world_size: int | None = None) -> tuple[ResolvedArgs, bool]:
-    """Parse train.py's command line: returns (args, dry_run). Raises ConfigError."""
+def resolve_args(argv: list[str] | None = None, *, world_size: int | None = None,
+                 check_weights: bool = True) -> tuple[ResolvedArgs, bool]:
+    """Parse train.py's command line: returns (args, dry_run). Raises ConfigError.
+
+    check_weights: whether the warm-start sources must exist now (train.py; the kernel warm-up,
+    which runs before the stages that write them and uses random weights, passes False)."""
     argv = sys.argv[1:] if argv is None else argv
     config, dry_run, _ = parse_cli(argv)
     cli_tokens = _strip_meta_flags(argv)
-    return resolve_config(config, cli_tokens, world_size=world_size, check_weights=True), dry_run
+    return resolve_config(config, cli_tokens, world_size=world_size,
+                          check_weights=check_weights), dry_run
 
 
 def _strip_meta_flags(argv: list[str]) -> list[str]:

@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # world_size None: the warm-up is one process, so the global-batch arithmetic of the
         # real topology is not checked here (train.py checks it).
-        args, _ = resolve_args(argv, world_size=None)
+        args, _ = resolve_args(argv, world_size=None, check_weights=False)
     except ConfigError as exc:
         print(f"relay: config error: {exc}", file=sys.stderr)
         return 2
