@@ -147,6 +147,7 @@ def _tiny_pipeline_yaml(tmp_path: Path, cluster_env: dict | None = None,
     data["root"] = str(tmp_path / "runs")
     for stage in data["stages"].values():
         stage["config"] = str(ROOT / stage["config"])
+    data["cluster"]["warmup"] = True  # the warm-up job's script is rendered and checked too
     if cluster_env:
         data["cluster"]["env"] = cluster_env
     if sft_overrides:
