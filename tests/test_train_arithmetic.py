@@ -2,10 +2,10 @@
 
 Accumulating gradient_accumulation_steps micro-batches must train as one batch holding all of
 them: the same loss, the same gradient (not k times it, not the last micro-batch's alone) and
-so the same step. The stage's random draws (noise, sigma, caption drop) come from the global
-RNG in micro-batch order, so the larger batch is formed here from the same micro-batches and
-the same draws: one backward of the mean of their losses, which (equal sizes, no masked
-frames) is the mean loss over all their samples.
+so the same step. The stage's random draws (noise, sigma, caption drop) are keyed by each
+sample and the step (trainer.sample_draws), so the larger batch is formed here from the same
+micro-batches with the same draws: one backward of the mean of their losses, which (equal
+sizes, no masked frames) is the mean loss over all their samples.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ def test_two_accumulated_micro_batches_train_as_one_batch_of_both(tmp_path):
 
         reference = fm_stage(tmp_path, accum=2)  # the same initial weights and data order
         torch.manual_seed(11)
-        losses = [reference.micro_batch_loss(reference.data.next_batch(), micro)[0]
-                  for micro in range(2)]
+        batches = [reference.data.next_batch() for _ in range(2)]
+        losses = [reference.micro_batch_loss(batch, micro, reference.draws(batch, 1))[0]
+                  for micro, batch in enumerate(batches)]
         loss = (losses[0] + losses[1]) / 2
         loss.backward()
         grads = [p.grad for p in reference.model.parameters() if p.grad is not None]
