@@ -319,18 +319,18 @@ def test_restart_with_a_lower_learning_rate_trains_on_at_it_and_says_so(tiny_tra
     proc = tiny_trainer.run(out, "--learning_rate", "2.5e-4", "--save_total_limit", "0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {out / 'checkpoint-6'}" in proc.stderr
-    assert "peak learning rate(s) changed since checkpoint-6 was saved (0.001 -> 0.00025)" in \
+    assert "peak learning rate(s) changed since checkpoint-6 was saved (0.0015 -> 0.00025)" in \
         proc.stderr
     # Key by key (the copied run also has another output_dir), and nothing else.
     changes = proc.stderr.split("checkpoint-6 was saved with other arguments; this run uses: ")[1]
     changed = changes.splitlines()[0].split("; ")
-    assert changed[0] == "learning_rate 0.001 -> 0.00025" and len(changed) == 2, changed
+    assert changed[0] == "learning_rate 0.0015 -> 0.00025" and len(changed) == 2, changed
     assert changed[1].startswith('output_dir "/'), changed
     records = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
     # The tiny schedule is constant after 4 warm-up steps: the new peak from step 7 on, for
     # AdamW's groups; Muon's own LR did not change.
     assert [records[step]["lr"] for step in (7, 12)] == [2.5e-4, 2.5e-4]
-    assert records[7]["muon_lr"] == 0.02
+    assert records[7]["muon_lr"] == 0.03  # config/tiny/pretrain.yaml
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,7 +402,8 @@ def test_two_process_run_preempted_on_one_rank_resumes_and_continues_on_one_proc
     info = validate_checkpoint(out / "checkpoint-14")
     assert (info["world_size"], info["dp_world"]) == (1, 1)
     cursor = json.loads((out / "checkpoint-14" / "dataloader" / "0.json").read_text())
-    assert (cursor["epoch"], cursor["position"]) == (1, 6)  # 14 steps of 8 = epoch 1, batch 6
+    # 14 steps of 8 over 64 samples: epoch 1, 6 batches (48 samples) in.
+    assert cursor["cursor"]["streams"]["all"] == {"epoch": 1, "position": 48}
 
 
 # ---------------------------------------------------------------------------------------------
