@@ -10,7 +10,8 @@ In one process, on one GPU, with the same batch, tokens, dtype and optimizer:
 2. the attention kernels at the size's video attention shape, forward + backward: cuDNN SDPA
    and every kernel relay can route to here (FA4, flex);
 3. each run `model:mode:checkpointing` (model relay or wan, mode eager or compiled,
-   checkpointing on or off): `warmup` steps, then `steps` timed steps (wall clock between
+   checkpointing on, off, or (relay only) selective: attention outputs kept, the rest of each
+   block recomputed): `warmup` steps, then `steps` timed steps (wall clock between
    device synchronisations; median, min, max), the peak allocated and reserved memory, tokens/s
    and MFU from counted FLOPs (benchmarks/flops.py) over the measured ceiling and over 989
    TFLOP/s (the H100/H200 dense bf16 datasheet figure).
@@ -112,13 +113,17 @@ class FixedBatches:
         text = torch.randn(1, size["text"], size["text_dim"], generator=g)
         self.batch = {"latents": latents.pin_memory() if pin else latents,
                       "text": text.pin_memory() if pin else text,
-                      "text_mask": torch.ones(1, size["text"], dtype=torch.bool)}
+                      "text_mask": torch.ones(1, size["text"], dtype=torch.bool),
+                      "sample_index": torch.zeros(1, dtype=torch.long)}
+        self.position = 0
 
     def next_batch(self) -> dict:
-        return dict(self.batch)
+        # What the data loader adds: the sample's place in the stream, which keys its draws.
+        self.position += 1
+        return {**self.batch, "sample_keys": [self.position]}
 
 
-def relay_args(size: dict, mode: str, checkpointing: bool, attention: str, workdir: str):
+def relay_args(size: dict, mode: str, checkpointing: str, attention: str, workdir: str):
     """train.py's arguments for this run, through train.py's own parser."""
     from trainer.args import resolve_args
 
@@ -129,13 +134,14 @@ def relay_args(size: dict, mode: str, checkpointing: bool, attention: str, workd
             "--cfg_drop_prob", "0", "--image_cond_prob", "0", "--video_cond_prob", "0",
             "--text_max_tokens", str(size["text"]), "--dtype", "auto",
             "--compile_transformer", str(mode == "compiled").lower(),
-            "--enable_gradient_checkpointing", str(checkpointing).lower(),
+            "--enable_gradient_checkpointing", str(checkpointing != "off").lower(),
+            "--use_dedicated_gradient_checkpointing", str(checkpointing == "selective").lower(),
             "--output_dir", workdir, "--data_path", workdir]
     args, _ = resolve_args(argv)
     return args
 
 
-def build_relay(size: dict, mode: str, checkpointing: bool, attention: str, device, workdir: str):
+def build_relay(size: dict, mode: str, checkpointing: str, attention: str, device, workdir: str):
     """(step function, parameter count, model config) of relay's FlowMatchingStage."""
     from trainer.build import build_ema, build_optimization, build_text_encoder, prepare_for_training
     from trainer.model import VideoDiT
@@ -155,7 +161,7 @@ def build_relay(size: dict, mode: str, checkpointing: bool, attention: str, devi
     return (lambda step: stage.train_step(step)["loss"]), params, model.config
 
 
-def build_wan(size: dict, mode: str, checkpointing: bool, device):
+def build_wan(size: dict, mode: str, checkpointing: str, device):
     """(step function, parameter count, config) of the same training step on diffusers' Wan."""
     from diffusers import WanTransformer3DModel
 
@@ -170,7 +176,7 @@ def build_wan(size: dict, mode: str, checkpointing: bool, device):
     with torch.device(device):
         model = WanTransformer3DModel(**wan_config(size))
     model.train()
-    if checkpointing:
+    if checkpointing == "on":
         model.enable_gradient_checkpointing()
     if mode == "compiled":
         model.compile_repeated_blocks()
@@ -184,7 +190,8 @@ def build_wan(size: dict, mode: str, checkpointing: bool, device):
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
     def step(_: int) -> float:
-        batch = {k: v.to(device, non_blocking=True) for k, v in data.next_batch().items()}
+        batch = {k: v.to(device, non_blocking=True) for k, v in data.next_batch().items()
+                 if isinstance(v, torch.Tensor)}
         x0 = batch["latents"]
         noise = torch.randn_like(x0)
         sigma = torch.rand(x0.shape[0], device=device)
@@ -320,9 +327,8 @@ def profile_step(step, index: int, device, top: int = 30) -> dict:
 
 def run_one(spec: str, size_name: str, args, device, ceiling_tflops: float | None) -> dict:
     """Build, warm up, time (and maybe profile) one `model:mode:checkpointing` run."""
-    model_name, mode, ckpt = spec.split(":")
+    model_name, mode, checkpointing = spec.split(":")
     size = SIZES[size_name]
-    checkpointing = ckpt == "on"
     result = {"run": spec, "size": size_name, "model": model_name, "mode": mode,
               "checkpointing": checkpointing, "video_tokens": video_tokens(size),
               "text_tokens": size["text"]}
@@ -403,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", default="wan-1.3b", choices=sorted(SIZES))
     parser.add_argument("--runs", default="relay:compiled:off,wan:compiled:off",
-                        help="comma-separated model:mode:checkpointing (relay|wan, eager|compiled, on|off)")
+                        help="comma-separated model:mode:checkpointing (relay|wan, eager|compiled, "
+                             "on|off|selective)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--attention", default="auto", help="relay's attention_backend")
@@ -418,9 +425,10 @@ def main(argv: list[str] | None = None) -> int:
     for spec in runs + args.profile:
         parts = spec.split(":")
         if (len(parts) != 3 or parts[0] not in ("relay", "wan") or parts[1] not in ("eager", "compiled")
-                or parts[2] not in ("on", "off")):
+                or parts[2] not in ("on", "off", "selective")
+                or parts[2] == "selective" and parts[0] == "wan"):
             parser.error(f"run {spec!r} is not model:mode:checkpointing "
-                         "(relay|wan : eager|compiled : on|off)")
+                         "(relay|wan : eager|compiled : on|off, or selective for relay)")
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -65,11 +65,24 @@ def test_samples_in_a_pack_do_not_see_each_other():
     assert not torch.allclose(before[1], after[1])
 
 
-def test_layout_gives_offsets_for_varlen_kernels():
-    xs, _, texts, _ = _samples()
+def test_varlen_runs_of_a_pack_attend_like_its_block_diagonal_mask():
+    # The GPU path of a pack: each sample's used keys gathered into one run for a varlen
+    # kernel. Checked here through SDPA per run against the dense mask CPU packs use.
+    from trainer.attention import AttentionPlan, attend, packed_keys
+
+    xs, _, texts, masks = _samples()
     layout = pack_layout(xs, texts, (1, 2, 2))
-    video, joint = layout.cu_seqlens()
-    assert video.tolist() == [0, 18, 30, 34] and joint.tolist() == [0, 21, 40, 49]
+    vid, txt, real = layout.video_ids(), layout.text_ids(), torch.cat(masks)
+    keys = packed_keys(vid, torch.cat([vid, txt]), torch.cat([torch.ones_like(vid, dtype=torch.bool), real]))
+    assert keys.cu_seqlens_q.tolist() == [0, 18, 30, 34]
+    assert keys.cu_seqlens_k.tolist() == [0, 21, 40, 47]   # the last caption's 2 pads left out
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, len(vid), 2, 4, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, len(vid) + len(txt), 2, 4, generator=g, dtype=torch.float64) for _ in "kv")
+    joint = layout.video_mask(masks)   # keys [captions | video]; the blocks' are [video | captions]
+    dense = torch.cat([joint[..., len(txt):], joint[..., :len(txt)]], dim=-1)
+    torch.testing.assert_close(attend(AttentionPlan("sdpa", None, keys), q, k, v),
+                               attend(AttentionPlan("sdpa", None, dense), q, k, v))
     assert layout.positions()[18].tolist() == [0, 0, 0]   # the second sample's grid starts at 0
 
 

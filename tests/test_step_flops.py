@@ -40,3 +40,21 @@ def test_wan_count_matches_the_products_the_model_runs():
     text = torch.randn(1, 5, 12)
     counted = _counted(lambda: model(x, timestep=torch.tensor([300.0]), encoder_hidden_states=text))
     assert wan_forward_flops(dict(model.config), 18, 5) == counted
+
+
+def test_the_step_benchmark_runs_both_models_training_steps_on_the_cpu(tmp_path):
+    # The GPU benchmark's own code path at the tiny size: relay's train_step (keyed draws and
+    # all) and diffusers' Wan, so a change to the stages cannot silently break the benchmark.
+    import json
+
+    from benchmarks import step
+
+    out = tmp_path / "step.json"
+    assert step.main(["--size", "tiny", "--runs", "relay:eager:off,relay:eager:selective,wan:eager:on",
+                      "--steps", "1", "--warmup", "1", "--skip-kernels", "--device", "cpu",
+                      "--matmul-size", "256", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["run"] for r in runs] == ["relay:eager:off", "relay:eager:selective", "wan:eager:on"]
+    for run in runs:
+        assert "error" not in run, run.get("traceback", run.get("error"))
+        assert run["step_s"] > 0 and all(torch.isfinite(torch.tensor(run["losses"])))

@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from trainer.fa4_ops import fa4_attention, fa4_varlen_attention
 from trainer.model_config import ATTENTION_BACKENDS
 
 log = logging.getLogger("relay")
@@ -53,7 +54,10 @@ __all__ = [
     "chunk_ids",
     "choose_kernel",
     "known_backends",
+    "PackedKeys",
     "plan_attention",
+    "packed_keys",
+    "plan_packed",
     "teacher_forcing_mask",
 ]
 
@@ -319,38 +323,9 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-class _ZeroPaddedKeyGrad(torch.autograd.Function):
-    """Identity on keys/values [B, Nk, heads, head_dim]; its backward zeroes the rows past
-    each sample's length.
-
-    FA4's backward with seqused_k never writes dK and dV for unused keys: they hold whatever
-    the allocator's memory held (seen on an H200 as gradients 10^5 times too large flowing into
-    the caption embedder). Zeroing them is what the masked reference computes.
-    """
-
-    @staticmethod
-    def forward(ctx, x, key_lengths):
-        ctx.save_for_backward(key_lengths)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (key_lengths,) = ctx.saved_tensors
-        used = torch.arange(grad.shape[1], device=grad.device)[None, :] < key_lengths[:, None]
-        return grad.masked_fill(~used[:, :, None, None], 0), None
-
-
-# The external kernels are opaque to torch.compile: a compiled block breaks its graph around
-# them rather than tracing into CuTe DSL or C++ extension code.
-@torch.compiler.disable
-def _fa4(q, k, v, key_lengths=None):
-    cute = _load("fa4")
-    if key_lengths is None:
-        return _first(cute.flash_attn_func(q, k, v))
-    k, v = _ZeroPaddedKeyGrad.apply(k, key_lengths), _ZeroPaddedKeyGrad.apply(v, key_lengths)
-    return _first(cute.flash_attn_varlen_func(q, k, v, seqused_k=key_lengths))
-
-
+# FlashAttention 2/3 is opaque to torch.compile: a compiled block breaks its graph around it
+# rather than tracing into C++ extension code. FA4 runs as a registered operator
+# (trainer/fa4_ops.py), which compiled graphs and selective checkpointing can see.
 @torch.compiler.disable
 def _flash_attn(q, k, v):
     return _first(_load("flash_attn").flash_attn_func(q, k, v))
@@ -369,18 +344,41 @@ class AttentionPlan(NamedTuple):
 
     kernel: str
     key_lengths: torch.Tensor | None  # int32 [B] (fa4) or None
-    mask: Any  # sdpa: bool broadcastable to [B, heads, Nq, Nk]; flex: BlockMask; else None
+    # sdpa: bool broadcastable to [B, heads, Nq, Nk]; flex: BlockMask; fa4 / flash_attn over
+    # packed sequences: PackedKeys; else None
+    mask: Any
+
+
+class PackedKeys(NamedTuple):
+    """Packed sequences for a varlen kernel: the keys each sequence uses, gathered into runs.
+
+    Queries are already in runs (sequence by sequence); keys may be in any order (the video
+    stream's keys are [all video | all captions]), so `key_index` picks every used key of
+    sequence 0, then of sequence 1, ... Padding keys are left out, not masked.
+    """
+
+    key_index: torch.Tensor  # long [used keys]
+    cu_seqlens_q: torch.Tensor  # int32 [sequences + 1]
+    cu_seqlens_k: torch.Tensor  # int32 [sequences + 1]
+    max_seqlen_q: int
+    max_seqlen_k: int
 
 
 def attend(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Softmax attention of q [B, Nq, heads, head_dim] over k, v [B, Nk, heads, head_dim] as
     `plan` says; returns [B, Nq, heads, head_dim]."""
+    if isinstance(plan.mask, PackedKeys):  # one batch row of packed sequences
+        packed = plan.mask
+        k, v = k[0, packed.key_index], v[0, packed.key_index]
+        run = _VARLEN_KERNELS[plan.kernel]
+        return run(q[0], k, v, packed.cu_seqlens_q, packed.cu_seqlens_k, packed.max_seqlen_q,
+                   packed.max_seqlen_k)[None]
     if plan.kernel == "sdpa":
         return _sdpa(q, k, v, plan.mask)
     if plan.kernel == "flex":
         return _flex(q, k, v, plan.mask)
     if plan.kernel == "fa4":
-        return _fa4(q, k, v, plan.key_lengths)
+        return fa4_attention(q, k, v, plan.key_lengths)
     return _flash_attn(q, k, v)
 
 
@@ -444,6 +442,37 @@ def plan_attention(backend: str, *, num_queries: int, num_keys: int, head_dim: i
 # packed sequences
 
 
+def plan_packed(backend: str, query_ids: torch.Tensor, key_ids: torch.Tensor,
+                key_used: torch.Tensor, *, head_dim: int, dtype: torch.dtype) -> AttentionPlan | None:
+    """The varlen plan for one batch row of packed sequences, or None where only SDPA runs
+    (the caller then builds its dense block-diagonal mask).
+
+    query_ids: long [Nq], the sequence of each query, non-decreasing; key_ids: long [Nk], the
+    sequence of each key, in any order; key_used: bool [Nk], False for padding keys.
+    """
+    device = query_ids.device
+    kernel = choose_kernel(backend, "varlen", lambda k: _runs_here(k, device, dtype, head_dim))
+    _log_route(backend, "packed", kernel, f"{device.type}, {str(dtype).removeprefix('torch.')}")
+    if kernel == "sdpa":
+        return None
+    return AttentionPlan(kernel, None, packed_keys(query_ids, key_ids, key_used))
+
+
+def packed_keys(query_ids: torch.Tensor, key_ids: torch.Tensor, key_used: torch.Tensor) -> PackedKeys:
+    """The runs of queries and used keys of packed sequences (arguments as `plan_packed`)."""
+    used = key_used.nonzero()[:, 0]
+    key_index = used[torch.argsort(key_ids[used], stable=True)]
+    sequences = int(query_ids.max()) + 1
+    q_counts = torch.bincount(query_ids, minlength=sequences)
+    k_counts = torch.bincount(key_ids[used], minlength=sequences)
+
+    def offsets(counts):
+        return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+
+    return PackedKeys(key_index, offsets(q_counts), offsets(k_counts), int(q_counts.max()),
+                      int(k_counts.max()))
+
+
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                      backend: str = "auto") -> torch.Tensor:
@@ -457,19 +486,19 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     kernel = choose_kernel(backend, "varlen",
                            lambda name: _runs_here(name, q.device, q.dtype, q.shape[-1]))
     _log_route(backend, "varlen", kernel, f"{q.device.type}, {str(q.dtype).removeprefix('torch.')}")
-    if kernel == "sdpa":
-        bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        outs = [_sdpa(q[None, a:b], k[None, c:d], v[None, c:d])[0]
-                for a, b, c, d in zip(bounds_q[:-1], bounds_q[1:], bounds_k[:-1], bounds_k[1:])]
-        return torch.cat(outs)
-    return _varlen_external(kernel, q, k, v, cu_seqlens_q.to(torch.int32),
-                            cu_seqlens_k.to(torch.int32), max_seqlen_q, max_seqlen_k)
+    return _VARLEN_KERNELS[kernel](q, k, v, cu_seqlens_q.to(torch.int32),
+                                   cu_seqlens_k.to(torch.int32), max_seqlen_q, max_seqlen_k)
+
+
+def _sdpa_varlen(q, k, v, cu_q, cu_k, max_q, max_k):
+    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    return torch.cat([_sdpa(q[None, a:b], k[None, c:d], v[None, c:d])[0]
+                      for a, b, c, d in zip(bounds_q[:-1], bounds_q[1:], bounds_k[:-1], bounds_k[1:])])
 
 
 @torch.compiler.disable
-def _varlen_external(kernel, q, k, v, cu_q, cu_k, max_q, max_k):
-    module = _load(kernel)
-    if kernel == "fa4":
-        return _first(module.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                                    max_seqlen_q=max_q, max_seqlen_k=max_k))
-    return _first(module.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k))
+def _flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k):
+    return _first(_load("flash_attn").flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k))
+
+
+_VARLEN_KERNELS = {"sdpa": _sdpa_varlen, "fa4": fa4_varlen_attention, "flash_attn": _flash_attn_varlen}

@@ -13,6 +13,7 @@ import logging
 import torch
 
 from trainer.distributed import Topology, barrier, shard_model
+from trainer.fa4_ops import FA4_OPS
 from trainer.schema import ResolvedArgs, model_config
 
 log = logging.getLogger(__name__)
@@ -69,12 +70,13 @@ def prepare_for_training(model: torch.nn.Module, args: ResolvedArgs) -> torch.nn
 
 # Attention kernels, the one part of a block whose recompute costs more than its memory: the
 # selective policy keeps their outputs (the fused kernels' logsumexp/seeds come with them).
+# FA4 counts because it runs as a registered operator (trainer/fa4_ops.py).
 _ATTENTION_OPS = tuple(
     getattr(torch.ops.aten, name) for name in (
         "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
         "_flash_attention_forward", "_efficient_attention_forward")
-    if hasattr(torch.ops.aten, name))
+    if hasattr(torch.ops.aten, name)) + FA4_OPS
 
 
 def _keep_attention_outputs():

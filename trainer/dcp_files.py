@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import io
 import os
+import queue
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Iterator, Mapping
@@ -149,6 +151,10 @@ class DirectFileSystemReader(FileSystemReader):
         self.verified.add(name)
 
 
+# Reads of at least this many pieces hash beside a reader thread (below: not worth a thread).
+_OVERLAP_MIN_PIECES = 8
+
+
 class _HashingReader:
     """Reads a file and hashes its bytes, as long as the reads follow each other in order."""
 
@@ -175,17 +181,42 @@ class _HashingReader:
         return data
 
     def readinto_exact(self, view: memoryview) -> None:
-        done = 0
-        while done < len(view):
-            piece = view[done:done + checksums.PIECE]  # hashed while still in the cache
-            filled = 0
-            while filled < len(piece):
-                got = self._handle.readinto(piece[filled:])
-                if not got:
-                    raise CheckpointError(f"{self._handle.name} ended early: truncated")
-                filled += got
-            self._hash(piece)
-            done += filled
+        pieces = [view[i:i + checksums.PIECE] for i in range(0, len(view), checksums.PIECE)]
+        if self._hasher is None or len(pieces) < _OVERLAP_MIN_PIECES:
+            for piece in pieces:  # each hashed while still in the cache
+                self._fill(piece)
+                self._hash(piece)
+            return
+        # A reader thread fills the next pieces while this one hashes the last: the kernel's
+        # copy releases the GIL, so the hash costs no time beside a read on another core.
+        ready: queue.SimpleQueue = queue.SimpleQueue()
+
+        def fill() -> None:
+            try:
+                for piece in pieces:
+                    self._fill(piece)
+                    ready.put(piece)
+            except BaseException as exc:  # handed to the hashing side, which raises it
+                ready.put(exc)
+
+        reader = threading.Thread(target=fill, name="checkpoint-read", daemon=True)
+        reader.start()
+        try:
+            for _ in pieces:
+                piece = ready.get()
+                if isinstance(piece, BaseException):
+                    raise piece
+                self._hash(piece)
+        finally:
+            reader.join()
+
+    def _fill(self, piece: memoryview) -> None:
+        filled = 0
+        while filled < len(piece):
+            got = self._handle.readinto(piece[filled:])
+            if not got:
+                raise CheckpointError(f"{self._handle.name} ended early: truncated")
+            filled += got
 
     def digest_if_whole(self, size: int) -> str | None:
         """The file's checksum if every byte was hashed in order, else None."""

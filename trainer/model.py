@@ -47,7 +47,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer.attention import AttentionPlan, ChunkLayout, attend, plan_attention
+from trainer.attention import AttentionPlan, ChunkLayout, attend, plan_attention, plan_packed
 from trainer.model_config import DiTConfig
 
 __all__ = ["KVCache", "VideoDiT", "timestep_features"]
@@ -565,18 +565,32 @@ class VideoDiT(nn.Module):
             used += cond.shape[1]
         vid = torch.cat([self._patchify(x[None]) for x in xs], dim=1)
         text = self.text_embedder(torch.cat(texts)[None])
-        # Video keys come first in the blocks ([own video | caption]); the layout's mask has the
-        # captions first, so its columns are turned around. Dense block-diagonal masks: SDPA.
-        captions = text.shape[1]
-        joint = layout.video_mask(text_masks)
-        video_plan = AttentionPlan("sdpa", None, torch.cat([joint[..., captions:],
-                                                            joint[..., :captions]], dim=-1))
-        text_plan = AttentionPlan("sdpa", None, layout.text_mask(text_masks))
+        video_plan, text_plan = self._packed_plans(layout, text_masks, text.shape[1])
         # One modulation slot per token (runs of one token): samples' token counts differ.
         out, _ = self._run(vid, torch.cat(conds, dim=1), torch.cat(slots),
                            layout.positions(vid.device), video_plan, text=(text, text_plan))
         pieces = out.split(layout.video_lens, dim=1)
         return [self._unpatchify(p, *x.shape[1:])[0] for p, x in zip(pieces, xs)]
+
+    def _packed_plans(self, layout, text_masks: list[torch.Tensor], captions: int):
+        """(video, text) attention plans of a pack: varlen kernels where they run, else dense
+        block-diagonal masks for SDPA."""
+        device = text_masks[0].device
+        vid, txt, real = layout.video_ids(device), layout.text_ids(device), torch.cat(text_masks)
+        kernel = dict(head_dim=self.cfg.head_dim, dtype=self._compute_dtype(device))
+        backend = self.cfg.attention_backend
+        # The blocks' video keys are [all video | all captions].
+        video_plan = plan_packed(backend, vid, torch.cat([vid, txt]),
+                                 torch.cat([torch.ones_like(vid, dtype=torch.bool), real]),
+                                 **kernel)
+        text_plan = plan_packed(backend, txt, txt, real, **kernel)
+        if video_plan is None:  # SDPA: the layout's mask has the captions first; turn it around
+            joint = layout.video_mask(text_masks)
+            video_plan = AttentionPlan("sdpa", None, torch.cat([joint[..., captions:],
+                                                                joint[..., :captions]], dim=-1))
+        if text_plan is None:
+            text_plan = AttentionPlan("sdpa", None, layout.text_mask(text_masks))
+        return video_plan, text_plan
 
     def forward_teacher_forcing(self, noisy: torch.Tensor, clean: torch.Tensor, t: Any, text: torch.Tensor,
                                 text_mask: torch.Tensor | None = None, r: Any = None,

@@ -120,3 +120,60 @@ def test_auto_takes_fa4_for_full_attention_where_it_runs():
                           device=DEVICE)
     assert plan.kernel == ("fa4" if _runs("fa4") else "flash_attn" if _runs("flash_attn") else "sdpa")
     assert plan.mask is None
+
+
+def _fa4_or_skip():
+    if not _runs("fa4"):
+        pytest.skip("FA4 does not run here")
+
+
+@pytest.mark.parametrize("form", ["full", "padded", "packed"])
+def test_fa4_operator_passes_torch_opcheck(form):
+    # The registered operator's schema, fake (meta) kernel and autograd formula agree with its
+    # real kernel: what torch.compile and selective checkpointing rely on.
+    _fa4_or_skip()
+    q, k, v = (t.requires_grad_() for t in _inputs(2, 128, 192))
+    cu = torch.tensor([0, 100, 256], device=DEVICE, dtype=torch.int32)
+    args = {"full": (q, k, v, None, None, None, 0, 0),
+            "padded": (q, k, v, torch.tensor([192, 150], device=DEVICE, dtype=torch.int32), None, None, 0, 0),
+            "packed": (q.detach().reshape(256, 4, 128).requires_grad_(),
+                       k.detach()[:, :128].reshape(256, 4, 128).requires_grad_(),
+                       v.detach()[:, :128].reshape(256, 4, 128).requires_grad_(), None, cu, cu, 156, 156)}
+    torch.library.opcheck(torch.ops.relay.fa4_forward.default, args[form])
+
+
+def test_fa4_leaves_a_compiled_graph_whole():
+    _fa4_or_skip()
+    plan = plan_attention("fa4", num_queries=128, num_keys=192, head_dim=128, dtype=torch.bfloat16,
+                          device=DEVICE)
+
+    def around(q, k, v):
+        return (attend(plan, q * 2, k, v) + 1).sum()
+
+    explained = torch._dynamo.explain(around)(*_inputs(2, 128, 192))
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "fa4", "flash_attn"])
+def test_varlen_gradients_match_float32(kernel):
+    if not _runs(kernel):
+        pytest.skip(f"{kernel} does not run here")
+    lengths_q, lengths_k = [130, 257], [150, 277]
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    q = torch.randn(sum(lengths_q), 4, 128, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(sum(lengths_k), 4, 128, device=DEVICE, dtype=torch.bfloat16, generator=g)
+            for _ in range(2))
+    cu_q = torch.tensor([0, 130, 387], device=DEVICE, dtype=torch.int32)
+    cu_k = torch.tensor([0, 150, 427], device=DEVICE, dtype=torch.int32)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    refs = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    out = attention_varlen(*leaves, cu_q, cu_k, 257, 277, backend=kernel)
+    seq_q = torch.repeat_interleave(torch.arange(2, device=DEVICE), torch.tensor(lengths_q, device=DEVICE))
+    seq_k = torch.repeat_interleave(torch.arange(2, device=DEVICE), torch.tensor(lengths_k, device=DEVICE))
+    ref = _reference(*(t[None] for t in refs), (seq_q[:, None] == seq_k[None, :])[None])[0]
+    grad = torch.randn_like(ref)
+    out.backward(grad.to(out.dtype))
+    ref.backward(grad)
+    assert _rel(out, ref) < 1e-2
+    for name, a, b in zip("qkv", leaves, refs):
+        assert _rel(a.grad, b.grad) < 2e-2, (name, _rel(a.grad, b.grad))

@@ -99,3 +99,58 @@ def test_adamw_is_fused_on_the_gpu_and_steps_like_the_reference():
         reference.step()
     for p, q in zip(model.parameters(), ref_model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def _packed_inputs():
+    g = torch.Generator(device=DEVICE).manual_seed(2)
+    xs = [torch.randn(4, f, h, w, device=DEVICE, generator=g) for f, h, w in ((4, 16, 16), (2, 8, 24), (1, 16, 8))]
+    texts = [torch.randn(n, 32, device=DEVICE, generator=g) for n in (12, 7, 9)]
+    masks = [torch.ones(n, dtype=torch.bool, device=DEVICE) for n in (12, 7, 9)]
+    masks[2][5:] = False
+    ts = [torch.tensor(700.0, device=DEVICE), torch.tensor([100.0, 800.0], device=DEVICE),
+          torch.tensor(300.0, device=DEVICE)]
+    return xs, ts, texts, masks
+
+
+def test_packed_batches_through_varlen_kernels_match_sdpa():
+    fast = _model(attention_backend="auto")
+    ref = copy.deepcopy(fast)
+    ref.cfg.attention_backend = "sdpa"
+    batch = _packed_inputs()
+
+    def run(m):
+        return torch.cat([p.flatten() for p in m.forward_packed(*batch)])
+
+    _compare(_loss_and_grads(fast, run), _loss_and_grads(ref, run), tol=1e-2)
+
+
+@pytest.mark.parametrize("selective", [True, False])
+def test_selective_checkpointing_does_not_recompute_fa4(monkeypatch, selective):
+    from torch.distributed._composable import checkpoint
+
+    from trainer import attention, build, fa4_ops
+
+    if not attention._runs_here("fa4", DEVICE, torch.bfloat16, 128):
+        pytest.skip("FA4 does not run here")
+    interface = fa4_ops._fa4()
+    calls = []
+
+    class Counting:
+        _flash_attn_bwd = staticmethod(interface._flash_attn_bwd)
+
+        @staticmethod
+        def _flash_attn_fwd(*args, **kwargs):
+            calls.append(1)
+            return interface._flash_attn_fwd(*args, **kwargs)
+
+    monkeypatch.setattr(fa4_ops, "_fa4", lambda: Counting)
+    model = _model(attention_backend="fa4")
+    for block in model.blocks:
+        checkpoint(block, **({"context_fn": build._keep_attention_outputs} if selective else {}))
+    x, t, text, _ = _batch()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(x, t, text)
+    forward_calls = len(calls)
+    out.float().square().mean().backward()
+    assert forward_calls > 0
+    assert len(calls) == (forward_calls if selective else 2 * forward_calls)

@@ -5,7 +5,8 @@ them as one batch row: the captions one after another in the text stream, the vi
 after another in the video stream. `PackLayout` says where each sample's tokens sit; from it
 come the block-diagonal masks (a sample attends only to its own caption and video), each
 sample's RoPE grid (starting at frame 0, as if alone), the conditioning slot of every token
-(its own sample's time), and cu_seqlens for varlen kernels. VideoDiT.forward_packed uses it.
+(its own sample's time). VideoDiT.forward_packed uses it, and gives varlen kernels the
+sequence ids (trainer.attention.plan_packed).
 """
 
 from __future__ import annotations
@@ -61,14 +62,6 @@ class PackLayout:
         to_text = (vid[:, None] == txt[None, :]) & torch.cat(text_masks)[None, :]
         to_video = vid[:, None] == vid[None, :]
         return torch.cat([to_text, to_video], dim=1)[None, None]
-
-    def cu_seqlens(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """int32 offsets for varlen kernels: video queries, and keys when each sample's keys
-        are laid out [its caption | its video]."""
-        video = torch.tensor([0, *self.video_lens], device=device).cumsum(0)
-        joint = torch.tensor([0, *(t + v for t, v in zip(self.text_lens, self.video_lens))],
-                             device=device).cumsum(0)
-        return video.to(torch.int32), joint.to(torch.int32)
 
 
 def pack_layout(latents: list[torch.Tensor], texts: list[torch.Tensor], patch_size) -> PackLayout:
