@@ -7,7 +7,6 @@ scontrol), so the real scontrol of the machine never answers.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
