@@ -33,7 +33,10 @@ Timesteps are raw (N * sigma, 0..1000). A timestep is per sample [B] or per late
 [B, T]; per-frame times are embedded per patch-frame (the first latent frame of each). The
 modulation is one vector per run of tokens that share a time (a sample, or a frame) and is
 broadcast over the run, never copied per token; per-frame times that are all equal take the
-per-sample path. A split of the token sequence across ranks must cut at run boundaries.
+per-sample path. A split of the token sequence across ranks must cut at run boundaries:
+under context parallel (`ulysses`, set by trainer.context_parallel.attach) each rank holds a
+strided share of the video tokens, which keeps a run's boundaries when cp_size divides its
+length; attention then runs over the whole sequence for the rank's heads.
 """
 
 from __future__ import annotations
@@ -574,7 +577,8 @@ class VideoDiT(nn.Module):
         xs: latents [C, T_i, H_i, W_i]; ts: each sample's raw time (scalar or [T_i]); texts:
         [L_i, text_dim]; text_masks: bool [L_i]. Every sample sees only its own caption, video,
         RoPE grid and time (trainer.data.packing), so each prediction equals forward() on that
-        sample alone. Bidirectional only. Raises ValueError for mismatched shapes.
+        sample alone. Bidirectional only. Under context parallel the pack is split after
+        packing (padded to a multiple of cp_size). Raises ValueError for mismatched shapes.
         """
         from trainer.data.packing import pack_layout
 
