@@ -5,9 +5,10 @@
 
 CPU part (this file): the tiny pretrain (config/tiny/pretrain.yaml, a smaller model as in the
 integration tests) run by train.py itself, with the same global batch split as one process,
-FSDP2 over 2 ranks, and hybrid shard 2 x 2 (4 ranks, gloo). The figure is the median
+FSDP2 over 2 ranks, hybrid shard 2 x 2 (4 ranks, gloo), Ulysses cp 2 and dp 2 x cp 2
+(trainer.context_parallel: the cp ranks of a group share its samples). The figure is the median
 step_time_s of metrics.jsonl after the first 5 steps (warm-up, first touch of memory), and
-the losses of the three runs are compared (they must agree: the split does not change the
+the losses of the runs are compared (they must agree: the split does not change the
 step). On a machine with fewer cores than ranks the ranks share cores, so the figure is an
 upper bound of the overhead, not a scaling curve.
 
@@ -71,14 +72,16 @@ def main() -> None:
     ns = parser.parse_args()
     import torch
 
-    splits = {"1 process": (1, ()), "FSDP2 dp 2": (2, ()),
-              "hybrid 2 x 2": (4, ("--hybrid_shard", "true", "--shard_group_size", "2"))}
+    # name: (ranks, cp_size, extra keys); the cp ranks of a group share its samples
+    splits = {"1 process": (1, 1, ()), "FSDP2 dp 2": (2, 1, ()),
+              "hybrid 2 x 2": (4, 1, ("--hybrid_shard", "true", "--shard_group_size", "2")),
+              "cp 2": (2, 2, ("--cp_size", "2")), "dp 2 x cp 2": (4, 2, ("--cp_size", "2"))}
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        for name, (ranks, extra) in splits.items():
+        for name, (ranks, cp, extra) in splits.items():
             records = run_split(root / name.replace(" ", "-"), root / "data", ranks,
-                                ns.global_batch // ranks, ns.steps, *extra)
+                                ns.global_batch * cp // ranks, ns.steps, *extra)
             times = [r["step_time_s"] for r in records[5:]]
             results[name] = {"ranks": ranks, "median_step_s": statistics.median(times),
                              "losses": [r["loss"] for r in records]}

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.args import resolve_args
 from trainer.build import build_data
-from trainer.distributed import init_distributed
+from trainer.distributed import broadcast_from_rank0, init_distributed
 
 
 def main() -> None:
@@ -28,10 +28,19 @@ def main() -> None:
                             "--packing_token_budget", "60", "--packed_dataloader_num_workers", "2"])
     topo = init_distributed(args.cp_size, backend="gloo")
     iterator = build_data(args, topo)
+    # Under cp only cp rank 0 holds a reader; it says for its group when the epoch is done.
+    reader = getattr(iterator, "reader", iterator)
     seen = []
-    while iterator.cursor["streams"]["all"]["position"] < iterator.plan.per_rank["all"]:
+    while True:
+        more = reader is not None and (reader.cursor["streams"]["all"]["position"]
+                                       < reader.plan.per_rank["all"])
+        if topo.cp_group is not None:
+            more = broadcast_from_rank0(more, topo.cp_group)
+        if not more:
+            break
         seen.extend(iterator.next_batch()["sample_index"].tolist())
-    (out / f"rank-{topo.rank}.json").write_text(json.dumps({"dp_rank": topo.dp_rank, "seen": seen}))
+    (out / f"rank-{topo.rank}.json").write_text(json.dumps({"dp_rank": topo.dp_rank, "seen": seen,
+                                                              "reads": reader is not None}))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("world, cp", [(2, 1)])  # cp > 1 is not available yet (preflight)
+@pytest.mark.parametrize("world, cp", [(2, 1), (4, 2)])
 def test_ranks_read_each_sample_once_per_epoch_and_a_cp_group_reads_the_same(tmp_path, world, cp):
     data = write_fastvideo_dataset(tmp_path / "data", 30)
     out = tmp_path / "out"
@@ -37,6 +37,8 @@ def test_ranks_read_each_sample_once_per_epoch_and_a_cp_group_reads_the_same(tmp
     assert sorted(by_dp) == list(range(world // cp))
     for shares in by_dp.values():
         assert all(share == shares[0] for share in shares)   # every cp rank of a group alike
+    # ... because it got them from the group's one reader, cp rank 0
+    assert [rank["reads"] for rank in ranks] == [r % cp == 0 for r in range(world)]
     firsts = [shares[0] for shares in by_dp.values()]
     everything = [i for share in firsts for i in share]
     # 30 samples over 2 dp ranks: nothing is cut, so each sample exactly once.

@@ -73,15 +73,36 @@ def test_a_missing_warm_start_path_is_fine_when_the_run_resumes_its_own_checkpoi
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def test_context_parallel_is_refused_at_resolve_until_it_lands(tmp_path):
-    refused(dry_run(tmp_path, "--cp_size", "2"), "cp_size")  # one process: its arithmetic too
+def test_a_context_parallel_split_that_does_not_divide_is_refused_with_its_arithmetic(tmp_path):
+    # heads: 4 do not split over 3 ranks
+    refused(dry_run(tmp_path, "--cp_size", "3"), "num_attention_heads (4)", "4 / 3 = 1.33333")
+    # the world: one process cannot hold a cp group of 2
+    refused(dry_run(tmp_path, "--cp_size", "2"), "world size 1 is not divisible by cp_size 2")
+    # the frames: 12 x 12 pixels in 4 x 4 patches are 9 tokens a frame, which 2 ranks cannot share
+    two_ranks = {**os.environ, "RANK": "0", "WORLD_SIZE": "2"}
+    argv = [sys.executable, "trainer/train.py", "--config", TINY, "--output_dir",
+            str(tmp_path / "out"), "--data_path", str(tmp_path / "data"), "--cp_size", "2",
+            "--synthetic_height", "12", "--synthetic_width", "12", "--dry-run"]
+    refused(subprocess.run(argv, cwd=ROOT, env=two_ranks, capture_output=True, text=True,
+                           timeout=120), "3 x 3 = 9 patches a frame", "divides 9")
     resolve = subprocess.run([sys.executable, "-m", "launcher.cli", "resolve", TINY,
-                              "--output_dir", str(tmp_path / "o"), "--cp_size", "2"],
+                              "--output_dir", str(tmp_path / "o"), "--cp_size", "3"],
                              cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert resolve.returncode == 2 and "not available" in resolve.stderr, resolve.stderr
+    assert resolve.returncode == 2 and "4 / 3 = 1.33333" in resolve.stderr, resolve.stderr
 
 
-def test_context_parallel_is_refused_by_relay_submit(tmp_path):
+def test_a_context_parallel_split_that_divides_passes_the_dry_run(tmp_path):
+    two_ranks = {**os.environ, "RANK": "0", "WORLD_SIZE": "2"}
+    argv = [sys.executable, "trainer/train.py", "--config", TINY, "--output_dir",
+            str(tmp_path / "out"), "--data_path", str(tmp_path / "data"), "--cp_size", "2",
+            "--dry-run"]
+    proc = subprocess.run(argv, cwd=ROOT, env=two_ranks, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "world 2 = dp_replicate 1 x dp_shard 1 x cp 2" in proc.stderr
+
+
+def test_a_context_parallel_split_that_does_not_divide_is_refused_by_relay_submit(tmp_path):
     pipeline = tmp_path / "p.yaml"
     pipeline.write_text(f"""name: cp
 root: {tmp_path / 'root'}
@@ -92,7 +113,9 @@ stages:
 """)
     proc = subprocess.run([sys.executable, "-m", "launcher.cli", "submit", str(pipeline),
                            "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "cp_size" in proc.stderr, proc.stdout + proc.stderr
+    # the tiny pipeline asks for one GPU: no room for a cp group of 2
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "is not divisible by cp_size 2" in proc.stderr, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
 
 

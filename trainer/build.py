@@ -39,8 +39,20 @@ def build_score_models(args: ResolvedArgs, device: torch.device):
 
 def build_trained_model(args: ResolvedArgs, topo: Topology) -> torch.nn.Module:
     """The run's transformer as training uses it: checkpointing, compile, then FSDP2 over the
-    mesh (fully_shard goes last, around blocks that are already wrapped and compiled)."""
-    return shard_model(prepare_for_training(build_model(args, topo.device), args), topo)
+    mesh (fully_shard goes last, around blocks that are already wrapped and compiled) and
+    context parallel over the cp group."""
+    return distribute(prepare_for_training(build_model(args, topo.device), args), topo)
+
+
+def distribute(model: torch.nn.Module, topo: Topology) -> torch.nn.Module:
+    """`model` sharded with FSDP2 over the mesh and, when cp_size > 1, running its sequence
+    context-parallel over this rank's cp group (trainer.context_parallel); returns it."""
+    model = shard_model(model, topo)
+    if topo.cp_size > 1:
+        from trainer.context_parallel import attach
+
+        attach(model, topo.cp_group, topo.cp_size, topo.cp_rank)
+    return model
 
 
 def prepare_for_training(model: torch.nn.Module, args: ResolvedArgs) -> torch.nn.Module:
@@ -101,10 +113,10 @@ def build_text_encoder(args: ResolvedArgs):
 
 def build_data(args: ResolvedArgs, topo: Topology, seed_offset: int = 0):
     """This rank's batch iterator over the run's parquet data (generating the embedded set first).
+    Under context parallel only cp rank 0 of a group reads, and the group shares its batches.
 
     Raises ValueError when the data cannot make the batches asked for (see BatchPlan).
     """
-    from trainer.data import DistributedBatchIterator, ParquetLatentDataset
     from trainer.synthetic import ensure_dataset
 
     if args.synthetic_data:
@@ -114,6 +126,18 @@ def build_data(args: ResolvedArgs, topo: Topology, seed_offset: int = 0):
                            width=args.synthetic_width, text_dim=model_config(args)["text_dim"],
                            max_text_tokens=args.text_max_tokens)
         barrier()
+    if topo.cp_size == 1:
+        return _data_reader(args, topo, seed_offset)
+    from trainer.context_parallel import GroupSharedBatches
+
+    reader = _data_reader(args, topo, seed_offset) if topo.cp_rank == 0 else None
+    return GroupSharedBatches(reader, topo.cp_group)
+
+
+def _data_reader(args: ResolvedArgs, topo: Topology, seed_offset: int):
+    """The DistributedBatchIterator of this rank's data-parallel share."""
+    from trainer.data import DistributedBatchIterator, ParquetLatentDataset
+
     packing = args.packing_token_budget is not None
     # Packs keep every caption at its own length; stacked batches need one length.
     dataset = ParquetLatentDataset(args.data_path, pad_text=not packing,
@@ -190,7 +214,7 @@ def _dmd_sgf_stage(args: ResolvedArgs, topo: Topology):
 
     student = build_trained_model(args, topo)
     # Sharded like the student; the frozen teacher holds no gradient and no optimizer state.
-    teacher, critic = (shard_model(m, topo) for m in build_score_models(args, topo.device))
+    teacher, critic = (distribute(m, topo) for m in build_score_models(args, topo.device))
     # Each schedule counts its own role's updates: the student's runs over the student updates
     # the run will make, the critic's over every outer step.
     student_steps = max(1, student_updates_through(args.max_steps, args.generator_update_interval))

@@ -140,8 +140,7 @@ _FORWARD_METHODS = ("forward_teacher_forcing", "forward_packed", "new_kv_cache",
 
 def shard_model(model: torch.nn.Module, topo: Topology) -> torch.nn.Module:
     """FSDP2 (`fully_shard`) over the run's mesh: each transformer block, then the root (the
-    embedders, the head), and Ulysses over the cp group when cp_size > 1. Returns the same
-    module, now sharded; a no-op in one process.
+    embedders, the head). Returns the same module, now sharded; a no-op in one process.
 
     A block is the unit of all-gather: its parameters are gathered just before it runs and
     freed after (reshard_after_forward), so a rank holds the full weights of about one block
@@ -308,6 +307,16 @@ def orthogonalize_sharded(updates: list, orthogonalize) -> list:
                                              update.placements, run_check=False,
                                              shape=update.shape, stride=update.stride()))
     return directions
+
+
+def exchange(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """All-to-all over `group` of x [size, ...]: slice s goes to rank s, and slice s of the
+    result is what rank s sent this rank. Autograd-aware (the backward is the reverse
+    exchange) and written with functional collectives, so a compiled block traces it rather
+    than breaking its graph (Ulysses context parallel, trainer.context_parallel)."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(x.contiguous(), None, None, group))
 
 
 def broadcast_from_rank0(obj: Any, group: dist.ProcessGroup | None = None) -> Any:

@@ -33,7 +33,10 @@ Timesteps are raw (N * sigma, 0..1000). A timestep is per sample [B] or per late
 [B, T]; per-frame times are embedded per patch-frame (the first latent frame of each). The
 modulation is one vector per run of tokens that share a time (a sample, or a frame) and is
 broadcast over the run, never copied per token; per-frame times that are all equal take the
-per-sample path. A split of the token sequence across ranks must cut at run boundaries.
+per-sample path. A split of the token sequence across ranks must cut at run boundaries:
+under context parallel (`ulysses`, set by trainer.context_parallel.attach) each rank holds a
+strided share of the video tokens, which keeps a run's boundaries when cp_size divides its
+length; attention then runs over the whole sequence for the rank's heads.
 """
 
 from __future__ import annotations
@@ -191,6 +194,8 @@ class DiTBlock(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(d, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, d))
         # SiLU(conditioning) -> shift, scale, gate for attention, then for the MLP
         self.modulation = nn.Linear(d, 6 * d)
+        # trainer.context_parallel.Ulysses when the video tokens are split over a cp group
+        self.ulysses = None
 
     def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = self.qkv(h).unflatten(-1, (3, self.num_heads, -1)).unbind(dim=-3)
@@ -217,13 +222,21 @@ class DiTBlock(nn.Module):
         sample; G = frames: per frame), broadcast over the group rather than copied per token.
         rope: (cos, sin) of its tokens; prefix_k/v: [B, P, heads, head_dim]; plan: the video
         attention plan for N queries over N + P keys.
+
+        Under context parallel (self.ulysses) vid holds this rank's share of the tokens and
+        attention runs in head space: every token, this rank's heads (the prefix comes with
+        those heads only); the returned k, v are then in head space too (a rollout caches them).
         """
         groups = mod.shape[1]
         shift1, scale1, gate1, shift2, scale2, gate2 = mod[:, :, None].chunk(6, dim=-1)
         x = _by_group(vid, groups)
         q, k, v = self._qkv((self.norm1(x) * (1 + scale1) + shift1).flatten(1, 2))
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.ulysses is not None:
+            q, k, v = (self.ulysses.to_heads(t) for t in (q, k, v))
         out = attend(plan, q, torch.cat([k, prefix_k], dim=1), torch.cat([v, prefix_v], dim=1))
+        if self.ulysses is not None:
+            out = self.ulysses.to_tokens(out)
         x = x + gate1 * _by_group(self.proj(out.flatten(-2)), groups)
         x = x + gate2 * self.mlp(self.norm2(x) * (1 + scale2) + shift2)
         return x.flatten(1, 2), k, v
@@ -251,6 +264,8 @@ class DiTBlock(nn.Module):
             prefix = past_kv if past_kv is not None else text_kv
             if prefix is None:
                 raise ValueError("the video stream needs a key prefix: text tokens or a cache")
+            if past_kv is None and self.ulysses is not None:
+                prefix = self.ulysses.local_heads(prefix)  # a cache holds local heads already
             vid, k, v = self.forward_video(vid, mod, rope, prefix[0], prefix[1], video_plan)
             video_kv = (k, v)
         return BlockOutput(txt, vid, text_kv, video_kv)
@@ -264,7 +279,8 @@ class DiTBlock(nn.Module):
 class KVCache:
     """Keys/values a causal rollout reuses: the caption's, and those of committed chunks.
 
-    text_kv[layer] = (k, v) [B, L, heads, head_dim]; text_lengths: int [B] real caption tokens,
+    text_kv[layer] = (k, v) [B, L, heads, head_dim] (under context parallel: this rank's head
+    group, and the chunks' K/V over the whole chunk); text_lengths: int [B] real caption tokens,
     or None when no caption is padded; chunks[i][layer] = (k, v) of the i-th kept committed
     chunk (oldest first, detached, RoPE applied at absolute positions); next_frame is the
     latent frame where the next chunk starts. Built by VideoDiT.new_kv_cache.
@@ -330,6 +346,8 @@ class VideoDiT(nn.Module):
         # A non-persistent buffer: follows .to(), stays out of the state dict, so a two-time
         # model's keys are exactly the single-time keys plus `r_embedder.*`.
         self.register_buffer("time_gate", torch.tensor(float(cfg.time_gate)), persistent=False)
+        # trainer.context_parallel.Ulysses when the video tokens are split over a cp group
+        self.ulysses = None
         self._init_weights()
         self.r_embedder: TimestepEmbedder | None = None
         if cfg.two_time:
@@ -476,7 +494,15 @@ class VideoDiT(nn.Module):
         to is either the caption, run alongside (text = (tokens, text plan)), or past[layer] =
         cached (k, v). Returns (head output tokens [B, N, patch values], per-layer detached
         video (k, v) if collect_kv else []).
+
+        Under context parallel the blocks run on this rank's strided share of the tokens (their
+        positions and modulation runs with them; trainer.context_parallel) and the output is
+        gathered back into the whole sequence; collected (k, v) are this rank's heads of it.
         """
+        if self.ulysses is not None:
+            groups = cond.shape[1] if slot_of_group is None else slot_of_group.shape[0]
+            vid, slot_of_group, positions = self.ulysses.split(vid, slot_of_group, positions,
+                                                               groups)
         work = torch.float64 if self._compute_dtype(vid.device) == torch.float64 else torch.float32
         rope = rope_tables(positions, self.cfg.rope_axes_dim, self.cfg.rope_theta, dtype=work)
         cond = F.silu(cond)
@@ -497,7 +523,8 @@ class VideoDiT(nn.Module):
             final = final.index_select(1, slot_of_group)
         shift, scale = final[:, :, None].chunk(2, dim=-1)
         x = _by_group(vid, final.shape[1])
-        return self.head(self.final_norm(x) * (1 + scale) + shift).flatten(1, 2), collected
+        out = self.head(self.final_norm(x) * (1 + scale) + shift).flatten(1, 2)
+        return (out if self.ulysses is None else self.ulysses.gather(out)), collected
 
     def _chunk_frames(self) -> int:
         """Chunk size in patch-frames; raises ValueError when the model has no chunks."""
@@ -550,7 +577,8 @@ class VideoDiT(nn.Module):
         xs: latents [C, T_i, H_i, W_i]; ts: each sample's raw time (scalar or [T_i]); texts:
         [L_i, text_dim]; text_masks: bool [L_i]. Every sample sees only its own caption, video,
         RoPE grid and time (trainer.data.packing), so each prediction equals forward() on that
-        sample alone. Bidirectional only. Raises ValueError for mismatched shapes.
+        sample alone. Bidirectional only. Under context parallel the pack is split after
+        packing (padded to a multiple of cp_size). Raises ValueError for mismatched shapes.
         """
         from trainer.data.packing import pack_layout
 
@@ -564,19 +592,29 @@ class VideoDiT(nn.Module):
             conds.append(cond)
             used += cond.shape[1]
         vid = torch.cat([self._patchify(x[None]) for x in xs], dim=1)
+        positions, slots = layout.positions(vid.device), torch.cat(slots)
+        # Context parallel splits the pack's tokens evenly: pad them with tokens that attend
+        # only to each other (their outputs are dropped).
+        pad = 0 if self.ulysses is None else self.ulysses.padding(vid.shape[1])
+        if pad:
+            vid = torch.cat([vid, vid.new_zeros(1, pad, vid.shape[2])], dim=1)
+            positions = torch.cat([positions, positions.new_zeros(pad, 3)])
+            slots = torch.cat([slots, slots.new_zeros(pad)])
         text = self.text_embedder(torch.cat(texts)[None])
-        video_plan, text_plan = self._packed_plans(layout, text_masks, text.shape[1])
+        video_plan, text_plan = self._packed_plans(layout, text_masks, text.shape[1], pad)
         # One modulation slot per token (runs of one token): samples' token counts differ.
-        out, _ = self._run(vid, torch.cat(conds, dim=1), torch.cat(slots),
-                           layout.positions(vid.device), video_plan, text=(text, text_plan))
-        pieces = out.split(layout.video_lens, dim=1)
+        out, _ = self._run(vid, torch.cat(conds, dim=1), slots, positions, video_plan,
+                           text=(text, text_plan))
+        pieces = out[:, :sum(layout.video_lens)].split(layout.video_lens, dim=1)
         return [self._unpatchify(p, *x.shape[1:])[0] for p, x in zip(pieces, xs)]
 
-    def _packed_plans(self, layout, text_masks: list[torch.Tensor], captions: int):
+    def _packed_plans(self, layout, text_masks: list[torch.Tensor], captions: int, padding: int):
         """(video, text) attention plans of a pack: varlen kernels where they run, else dense
-        block-diagonal masks for SDPA."""
+        block-diagonal masks for SDPA. `padding` video tokens after the samples (context
+        parallel) form one more sequence of their own."""
         device = text_masks[0].device
         vid, txt, real = layout.video_ids(device), layout.text_ids(device), torch.cat(text_masks)
+        vid = torch.cat([vid, vid.new_full((padding,), len(layout.grids))])
         kernel = dict(head_dim=self.cfg.head_dim, dtype=self._compute_dtype(device))
         backend = self.cfg.attention_backend
         # The blocks' video keys are [all video | all captions].
@@ -585,7 +623,7 @@ class VideoDiT(nn.Module):
                                  **kernel)
         text_plan = plan_packed(backend, txt, txt, real, **kernel)
         if video_plan is None:  # SDPA: the layout's mask has the captions first; turn it around
-            joint = layout.video_mask(text_masks)
+            joint = layout.video_mask(text_masks, padding=padding)
             video_plan = AttentionPlan("sdpa", None, torch.cat([joint[..., captions:],
                                                                 joint[..., :captions]], dim=-1))
         if text_plan is None:
@@ -646,7 +684,8 @@ class VideoDiT(nn.Module):
         for i, block in enumerate(self.blocks):
             out = block(txt, None, text_plan=text_plan, need_text_output=i + 1 < len(self.blocks))
             txt = out.txt
-            text_kv.append(out.text_kv)
+            # Under context parallel a rank attends with its head group only: cache just that.
+            text_kv.append(out.text_kv if self.ulysses is None else self.ulysses.local_heads(out.text_kv))
         return KVCache(text_kv=text_kv, text_lengths=lengths, chunks=[])
 
     def _check_chunk(self, x: torch.Tensor, cache: KVCache, frame_start: int, name: str):

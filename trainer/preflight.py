@@ -115,11 +115,6 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
         except ImportError:
             raise ConfigError("`report_to: wandb` but the wandb package is not installed. "
                               "pip install wandb, or set report_to: none.") from None
-    _check(args.cp_size == 1,
-           f"cp_size {args.cp_size}: Ulysses context parallel is not available in this version "
-           f"of relay (it is not yet ported to the attention plans of trainer/attention.py), so "
-           f"the job would refuse to start on the cluster. Use cp_size: 1; shard the model with "
-           f"hybrid_shard / shard_group_size and enable_gradient_checkpointing instead.")
 
 
 CONDITIONING_TASKS = ("t2v", "i2v", "continuation")
@@ -272,17 +267,29 @@ def _validate_weight_sources(args: ResolvedArgs) -> None:
                               f"(or run the stage that writes it first).") from None
 
 
-def _validate_topology(args: ResolvedArgs, world_size: int | None) -> None:
+def _validate_context_parallel(args: ResolvedArgs) -> None:
+    """What Ulysses needs of the model and the data (trainer.context_parallel): heads and the
+    tokens of a latent frame split evenly over the cp group."""
+    cp = args.cp_size
     heads = model_config(args)["num_attention_heads"]
-    _check(heads % args.cp_size == 0,
-           f"num_attention_heads ({heads}) is not divisible by cp_size ({args.cp_size}). Ulysses "
-           f"splits heads across the cp group: pick a cp_size that divides {heads}.")
-    if args.cp_size > 1:
-        video = _video_tokens(args, model_config(args))
-        _check(video is None or video % args.cp_size == 0,
-               f"cp_size {args.cp_size} does not divide the {video} video tokens of a sample: "
-               f"Ulysses gives every cp rank the same number of tokens. Pick a cp_size that "
-               f"divides {video}.")
+    _check(heads % cp == 0,
+           f"num_attention_heads ({heads}) is not divisible by cp_size ({cp}): {heads} / {cp} = "
+           f"{heads / cp:g}. Ulysses gives every cp rank the same number of heads: pick a cp_size "
+           f"that divides {heads}.")
+    grid = _patch_grid(args, model_config(args))
+    if cp == 1 or grid is None or args.packing_token_budget is not None:
+        return  # a pack is padded to a multiple of cp_size by the model
+    frames, rows, cols = grid
+    _check(rows * cols % cp == 0,
+           f"cp_size {cp} does not divide the tokens of one latent frame: {rows} x {cols} = "
+           f"{rows * cols} patches a frame ({frames} frames, {frames * rows * cols} video tokens "
+           f"a sample). Ulysses keeps each frame's tokens, which share a time, in equal shares "
+           f"on the cp ranks: pick a cp_size that divides {rows * cols}, or a resolution or "
+           f"patch size whose frames split.")
+
+
+def _validate_topology(args: ResolvedArgs, world_size: int | None) -> None:
+    _validate_context_parallel(args)
     if world_size is None:
         return
     if args.hybrid_shard and args.shard_group_size is None:
@@ -349,6 +356,12 @@ def describe_plan(args: ResolvedArgs, world_size: int, ranks_per_node: int | Non
 def _video_tokens(args: ResolvedArgs, cfg: dict) -> int | None:
     """Video tokens of one sample: from the synthetic settings, the first shard's latent shape
     or expected_latent_shape (None when none of them is known here)."""
+    grid = _patch_grid(args, cfg)
+    return None if grid is None else grid[0] * grid[1] * grid[2]
+
+
+def _patch_grid(args: ResolvedArgs, cfg: dict) -> tuple[int, int, int] | None:
+    """(frames, rows, cols) of one sample's patches, known as _video_tokens says, or None."""
     pt, ph, pw = cfg["patch_size"]
     if args.synthetic_data:
         shape = (cfg["in_channels"], args.synthetic_num_frames, args.synthetic_height,
@@ -365,7 +378,7 @@ def _video_tokens(args: ResolvedArgs, cfg: dict) -> int | None:
     if shape is None:
         return None
     _, t, h, w = shape
-    return (t // pt) * (h // ph) * (w // pw)
+    return t // pt, h // ph, w // pw
 
 
 def _first_latent_shape(data_path) -> tuple[int, ...] | None:

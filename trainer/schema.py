@@ -191,8 +191,10 @@ SECTIONS: dict[str, list[Arg]] = {
             "With hybrid_shard: ranks per shard group (null: the ranks of one node). A "
             "multiple of cp_size that divides the world size.", nullable=True),
         Arg("cp_size", "int", 1,
-            "Ulysses context-parallel degree; the world splits as dp x cp. Must divide the "
-            "world size and num_attention_heads."),
+            "Ulysses context-parallel degree: each sample's video tokens are split over cp "
+            "consecutive ranks, which read one share of the data; the world splits as dp x cp. "
+            "Must divide the world size, num_attention_heads and the tokens of a latent frame "
+            "(docs/distributed.md)."),
         Arg("enable_gradient_checkpointing", "bool", False,
             "Recompute each transformer block's activations in the backward pass (less memory, "
             "about one more forward of compute)."),

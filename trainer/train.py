@@ -134,8 +134,9 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     stage = build_stage(args, topo)
     # Training draws are keyed by sample (trainer.sample_draws); what still uses the global
-    # generator (Stage2's rollout noise) differs per rank.
-    torch.manual_seed(args.seed + 1_000_003 * (topo.rank + 1))
+    # generator (Stage2's rollout noise) differs per data-parallel rank, and is the same on
+    # the cp ranks of a group: they must feed the model the same whole samples.
+    torch.manual_seed(args.seed + 1_000_003 * (topo.dp_rank + 1))
     manager = ckpt.CheckpointManager(out, save_total_limit=args.save_total_limit,
                                      async_save=args.async_checkpoint)
     start_step, resumed = run_state.resume_or_warm_start(args, topo, out, stage)
@@ -207,7 +208,7 @@ def _validate(stage, args: ResolvedArgs, step: int, out: Path, topo: Topology) -
     scores: dict = {}
     if topo.is_main or topo.fsdp_mesh is not None:
         try:
-            scores = run_validation(stage, args, step, out, stage.data.dataset.latent_shape,
+            scores = run_validation(stage, args, step, out, stage.data.latent_shape,
                                     write=topo.is_main)
         except Exception:
             log.exception("validation at step %d failed; training goes on", step)

@@ -106,6 +106,11 @@ class DistributedBatchIterator:
                     "image_sample_prob, when only images and videos differ)")
 
     @property
+    def latent_shape(self) -> tuple[int, ...]:
+        """[C, T, H, W] of the data's first sample (what validation samples at)."""
+        return self.dataset.latent_shape
+
+    @property
     def batches_per_epoch(self) -> int:
         """Unpacked batches in one epoch of the first stream."""
         return next(iter(self.plan.per_rank.values())) // self.batch_size

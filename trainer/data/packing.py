@@ -54,11 +54,13 @@ class PackLayout:
         eye = torch.eye(len(ids), dtype=torch.bool, device=ids.device)
         return ((ids[:, None] == ids[None, :]) & real[None, :] | eye)[None, None]
 
-    def video_mask(self, text_masks: list[torch.Tensor]) -> torch.Tensor:
+    def video_mask(self, text_masks: list[torch.Tensor], padding: int = 0) -> torch.Tensor:
         """Video queries over keys [all captions | all video], bool [1, 1, N, L + N]: a token
-        sees its own sample's real caption tokens and its own sample's video."""
+        sees its own sample's real caption tokens and its own sample's video. `padding` tokens
+        after the last sample (context parallel splits the pack evenly) see only each other."""
         device = text_masks[0].device
         vid, txt = self.video_ids(device), self.text_ids(device)
+        vid = torch.cat([vid, vid.new_full((padding,), -1)])
         to_text = (vid[:, None] == txt[None, :]) & torch.cat(text_masks)[None, :]
         to_video = vid[:, None] == vid[None, :]
         return torch.cat([to_text, to_video], dim=1)[None, None]

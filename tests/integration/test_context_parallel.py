@@ -1,0 +1,141 @@
+"""Ulysses context parallel (cp_size > 1): real ranks under torchrun (gloo, CPU), nothing mocked.
+
+First the model alone (tests/context_parallel_worker.py): every forward, its video tokens split
+over 2 and 4 ranks, against the same model unsplit. Then train.py: the same global batch of
+8 samples on one process, on one cp group of 2 and on dp 2 x cp 2 must log the same losses and
+gradient norms (the draws are keyed by sample, cp rank 0 reads and shares the batch, the
+gathered output feeds the unchanged losses); the same for Stage1 (block-causal teacher forcing),
+Stage2 (the KV-cached rollout) and a pack of mixed shapes; a cp checkpoint resumes on one
+process on the same trajectory; a split that cannot work is refused before a model exists.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fixtures.fastvideo_t2v import write_fastvideo_dataset
+from test_distributed_fsdp import (MODEL, REPO, STAGE1_MODEL, STAGE2_MODEL, _env, _free_port,
+                                   assert_same_trajectory, records, train)
+
+from trainer.checkpoint_layout import read_complete
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_every_forward_of_the_model_matches_the_unsplit_model(tmp_path, ranks):
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
+         str(ranks), "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+         str(REPO / "tests" / "context_parallel_worker.py"), str(tmp_path)],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in range(ranks):
+        result = json.loads((tmp_path / f"{rank}.json").read_text())
+        refusal = result.pop("refused")
+        assert refusal and "runs of 9 tokens" in refusal and f"cp_size {ranks}" in refusal
+        assert set(result) == {"bidirectional", "per_frame_times", "block_causal",
+                               "teacher_forcing", "kv_rollout", "packed"}
+        for case, diff in result.items():  # float64: only the order of sums differs
+            assert diff["out"] < 1e-12, (case, diff)
+            if "grad" in diff:
+                assert diff["grad"] < 1e-12 * diff["grad_scale"], (case, diff)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The tiny pretrain on one global batch of 8: one process, cp 2, dp 2 x cp 2."""
+    root = tmp_path_factory.mktemp("cp")
+    data = root / "data"
+    model = ("--transformer_config_overrides", MODEL)
+    splits = {"one": (1, "--train_batch_size", "8"),
+              "cp2": (2, "--train_batch_size", "8", "--cp_size", "2"),
+              "dp2cp2": (4, "--train_batch_size", "4", "--cp_size", "2")}
+    for name, (ranks, *extra) in splits.items():
+        train(root / name, data, ranks, *model, *extra)
+    return root, data
+
+
+def test_pretrain_losses_and_gradients_agree_on_one_process_cp2_and_dp2_x_cp2(runs):
+    root, _ = runs
+    for name in ("cp2", "dp2cp2"):
+        assert_same_trajectory(root / name, root / "one")
+    losses = [r["loss"] for r in records(root / "one").values()]
+    assert losses[-1] < losses[0]  # it trained
+    # The split is real, and only cp rank 0 of each group saved a data cursor.
+    for name, dp_ranks in (("cp2", ["0.json"]), ("dp2cp2", ["0.json", "1.json"])):
+        complete = read_complete(root / name / "checkpoint-6")
+        assert complete["cp_size"] == 2 and complete["world_size"] == 2 * len(dp_ranks)
+        cursors = sorted(p.name for p in (root / name / "checkpoint-6" / "dataloader").iterdir())
+        assert cursors == dp_ranks
+
+
+def test_a_cp2_checkpoint_resumes_on_one_process_on_the_same_trajectory(runs):
+    root, data = runs
+    out = root / "resume-cp2-on-one"
+    out.mkdir()
+    subprocess.run(["cp", "-r", str(root / "cp2" / "checkpoint-3"), str(out)], check=True)
+    proc = train(out, data, 1, "--transformer_config_overrides", MODEL, "--train_batch_size", "8")
+    assert "resumed from" in proc.stderr
+    assert sorted(records(out)) == [4, 5, 6]
+    assert_same_trajectory(out, root / "cp2", steps=[4, 5, 6])
+
+
+STAGE2_EXTRA = ("--student_init_weights", "live", "--teacher_init_weights", "live",
+                "--critic_init_weights", "live", "--generator_update_interval", "2",
+                "--use_ema", "false")
+
+
+@pytest.mark.parametrize("config, model, extra, keys", [
+    ("stage1", STAGE1_MODEL, ("--pretrained_weights", "live"), ("loss", "grad_norm")),
+    ("stage2", STAGE2_MODEL, STAGE2_EXTRA, ("critic_loss", "critic_grad_norm",
+                                            "generator_loss")),
+])
+def test_stage1_and_stage2_give_the_same_losses_at_cp2_as_on_one_process(runs, tmp_path, config,
+                                                                         model, extra, keys):
+    root, _ = runs
+    source = str(root / "one")
+    sources = (("--pretrained_transformer_path", source) if config == "stage1" else
+               ("--student_init_path", source, "--teacher_init_path", source,
+                "--critic_init_path", source))
+    common = ("--transformer_config_overrides", model, *sources, *extra, "--max_steps", "4",
+              "--train_batch_size", "4")
+    train(tmp_path / "one", tmp_path / "data", 1, *common, config=config)
+    train(tmp_path / "cp2", tmp_path / "data", 2, *common, "--cp_size", "2", config=config)
+    assert_same_trajectory(tmp_path / "cp2", tmp_path / "one", keys=keys)
+    assert set(keys) <= set(records(tmp_path / "cp2")[4])
+
+
+PACKED_MODEL = ("{hidden_size: 16, num_attention_heads: 2, num_layers: 1, rope_axes_dim: [2, 2, 4], "
+                "text_dim: 8, patch_size: [1, 2, 2], in_channels: 4}")
+
+
+def test_a_pack_of_mixed_shapes_trains_the_same_at_cp2_as_on_one_process(tmp_path):
+    data = write_fastvideo_dataset(tmp_path / "data", 24)  # videos and images, several sizes
+    common = ("--transformer_config_overrides", PACKED_MODEL, "--synthetic_data", "false",
+              "--packing_token_budget", "60", "--max_steps", "4", "--train_batch_size", "4")
+    train(tmp_path / "one", data, 1, *common)
+    train(tmp_path / "cp2", data, 2, *common, "--cp_size", "2")
+    assert_same_trajectory(tmp_path / "cp2", tmp_path / "one")
+    cursor = json.loads((tmp_path / "cp2" / "checkpoint-4" / "dataloader" / "0.json").read_text())
+    assert cursor["token_budget"] == 60  # it did train on packs
+
+
+def test_a_cp_split_that_cannot_work_is_refused_before_a_model_exists(tmp_path):
+    # 12 x 12 pixels in 4 x 4 patches: 9 tokens a frame, which 2 cp ranks cannot share.
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+         "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+         str(REPO / "trainer" / "train.py"), "--config", str(REPO / "config/tiny/pretrain.yaml"),
+         "--data_path", str(tmp_path / "data"), "--output_dir", str(out), "--cp_size", "2",
+         "--synthetic_height", "12", "--synthetic_width", "12"],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "relay: config error: cp_size 2 does not divide the tokens of one latent frame: " \
+           "3 x 3 = 9 patches a frame" in proc.stderr, proc.stderr[-3000:]
+    # a sentence from each rank, no traceback of relay's (torchrun's agent prints its own)
+    assert not [line for line in proc.stderr.splitlines() if 'File "' in line and "/trainer/" in line]
+    assert not out.exists() and not (tmp_path / "data").exists()  # nothing was built or written

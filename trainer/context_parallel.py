@@ -1,0 +1,146 @@
+"""Ulysses context parallel: the video tokens of every sample spread over a cp group.
+
+Layout. Within a group of `size` ranks, token j of the video sequence the model builds (frame
+major; `[clean | noisy]` in teacher forcing; the samples one after another in a pack) lives on
+cp rank j % size. Strided rather than contiguous: every rank holds a share of every frame and
+of every sample of a pack, and block-causal work stays balanced (a contiguous split would give
+the last rank the chunks that see the most keys).
+
+Around each block's video attention two all-to-alls trade tokens for heads. Rank r sends head
+group s of its tokens to rank s and receives head group r of everyone's; rank s's l-th token
+is token l * size + s, so the received pieces interleave back into the natural order with a
+reshape. In this "head space" a rank holds the whole sequence for num_heads / size heads, so
+the attention plan is exactly the one the unsplit model builds (full, padded, block-causal,
+teacher forcing, a pack's masks; FA4, flex or SDPA): attention needs no change at all. The
+second all-to-all gives each rank its own tokens back with every head.
+
+The caption's text stream stays whole on every rank: it attends only to text, is short (at
+most a few hundred tokens against tens of thousands of video tokens) and depends on the
+caption alone. Each rank keeps its head group of the caption's K/V as the prefix of its video
+attention; a rollout's KV cache holds only this rank's heads (committed chunks are cached in
+head space), so a rank keeps 1/size of the cache.
+
+What follows the tokens: RoPE positions (taken with the same stride, before the exchange) and
+the modulation runs. A run of n tokens sharing one time (a sample, or a frame) keeps its
+boundaries when size divides n: rank r's share of run g is its local tokens [g n / size,
+(g + 1) n / size), so the one-vector-per-run fast path of the model still applies. Runs of one
+token (a pack's per-token slots) are strided like the tokens. Any other run length is refused
+(trainer.preflight says so before a run starts: tokens per latent frame must divide by
+cp_size). A pack is padded to a multiple of size by VideoDiT.forward_packed.
+
+Gradients. The head's output is gathered, so the stages compute their losses on whole samples,
+unchanged and identically on every rank of the group. The gather's backward sums the group's
+output gradients, so a rank's parameter gradients are size times its tokens' share, and
+FSDP2's mean over the dp_shard x cp shard group turns that back into the mean over
+data-parallel ranks: the gradient does not depend on the split.
+
+Data. Only cp rank 0 of a group reads; `GroupSharedBatches` hands its batch to the others.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.distributed import broadcast_from_rank0, exchange
+
+
+class Ulysses:
+    """A cp group as the model sees it: `size` ranks, this one `rank` within them.
+
+    The model holds one in `ulysses` (None without cp); `attach` puts it there.
+    """
+
+    def __init__(self, group, size: int, rank: int, num_heads: int):
+        if num_heads % size:
+            raise ValueError(f"num_attention_heads {num_heads} is not divisible by cp_size {size}")
+        self.group, self.size, self.rank = group, size, rank
+        self.heads = slice(rank * num_heads // size, (rank + 1) * num_heads // size)
+
+    def padding(self, num_tokens: int) -> int:
+        """Tokens to add so that num_tokens splits evenly over the group."""
+        return -num_tokens % self.size
+
+    def split(self, vid: torch.Tensor, slots: torch.Tensor | None, positions: torch.Tensor,
+              groups: int):
+        """This rank's share of video tokens [B, N, D] that form `groups` equal modulation runs
+        (run g uses slot slots[g]; None: slot g), with their RoPE positions [N, 3].
+
+        Returns (tokens [B, N / size, D], slots of the local runs, positions [N / size, 3]).
+        Raises ValueError when N, or a run longer than one token, does not divide by size.
+        """
+        n = vid.shape[1]
+        run = n // groups
+        if n % self.size or (run > 1 and run % self.size):
+            raise ValueError(
+                f"context parallel: {n} video tokens in runs of {run} tokens that share a "
+                f"time do not split over cp_size {self.size}; the tokens of one latent frame "
+                f"must divide by cp_size (pick a cp_size that divides them, or another "
+                f"resolution or patch size)")
+        mine = slice(self.rank, None, self.size)
+        if run == 1 and slots is not None:
+            slots = slots[mine]  # per-token slots follow their tokens
+        elif run == 1:
+            slots = torch.arange(groups, device=vid.device)[mine]
+        return vid[:, mine], slots, positions[mine]
+
+    def local_heads(self, kv: tuple[torch.Tensor, torch.Tensor]):
+        """This rank's head group of whole-sequence keys and values [B, L, heads, head_dim]."""
+        return kv[0][:, :, self.heads], kv[1][:, :, self.heads]
+
+    def to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """Local tokens with every head [B, n, H, d] -> every token, this rank's heads
+        [B, n x size, H / size, d], in the natural token order."""
+        b, n, h, d = x.shape
+        send = x.reshape(b, n, self.size, h // self.size, d).permute(2, 0, 1, 3, 4)
+        received = exchange(send, self.group)  # [source rank, B, n, H / size, d]
+        return received.permute(1, 2, 0, 3, 4).reshape(b, n * self.size, h // self.size, d)
+
+    def to_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """The inverse of to_heads: [B, N, H / size, d] -> [B, N / size, H, d]."""
+        b, total, hc, d = x.shape
+        send = x.reshape(b, total // self.size, self.size, hc, d).permute(2, 0, 1, 3, 4)
+        received = exchange(send, self.group)  # [head group, B, n, H / size, d]
+        return received.permute(1, 2, 0, 3, 4).reshape(b, total // self.size, self.size * hc, d)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's tokens [B, n, C] in the natural order [B, n x size, C].
+
+        An exchange of size copies: its backward sums the group's gradients of this rank's
+        tokens (the reduce-scatter an all-gather's backward is; gloo has none of its own).
+        """
+        b, n, c = x.shape
+        parts = exchange(x.expand(self.size, b, n, c), self.group)  # [source rank, B, n, C]
+        return parts.permute(1, 2, 0, 3).reshape(b, n * self.size, c)
+
+
+def attach(model: torch.nn.Module, group, size: int, rank: int) -> torch.nn.Module:
+    """Make `model` (a VideoDiT, sharded or not) run context-parallel over `group`; returns it.
+    Raises ValueError when its heads do not divide by size."""
+    ulysses = Ulysses(group, size, rank, model.cfg.num_attention_heads)
+    for module in (model, *model.blocks):
+        module.ulysses = ulysses
+    return model
+
+
+class GroupSharedBatches:
+    """The batches of one cp group: cp rank 0 reads them (`reader`, a DistributedBatchIterator;
+    None on the other ranks) and every rank of `group` gets the same batch.
+
+    The cursor is cp rank 0's: only it saves one (trainer.checkpoint) and loads one.
+    """
+
+    def __init__(self, reader, group):
+        self.reader, self.group = reader, group
+        self.latent_shape = broadcast_from_rank0(
+            None if reader is None else reader.latent_shape, group)
+
+    def next_batch(self) -> dict:
+        return broadcast_from_rank0(None if self.reader is None else self.reader.next_batch(),
+                                    self.group)
+
+    def state_dict(self) -> dict:
+        return {} if self.reader is None else self.reader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.reader is not None:
+            self.reader.load_state_dict(state)
