@@ -172,11 +172,13 @@ def _fm_stage(args: ResolvedArgs, topo: Topology):
 
 def _tf_anyflow_stage(args: ResolvedArgs, topo: Topology):
     """Stage1: the causal two-time transformer, trained through its teacher-forcing forward."""
-    from trainer.stages.tf_anyflow import TeacherForcingForward, TFAnyFlowStage
+    from trainer.stages.tf_anyflow import (TeacherForcingForward, TeacherForcingPackedForward,
+                                           TFAnyFlowStage)
 
     model = build_trained_model(args, topo)
     optimizer, scheduler = build_optimization(args, model, max_steps=args.max_steps)
-    return TFAnyFlowStage(model, TeacherForcingForward(model), optimizer,
+    forward = TeacherForcingPackedForward if args.packing_token_budget is not None else TeacherForcingForward
+    return TFAnyFlowStage(model, forward(model), optimizer,
                           scheduler, build_ema(args, model), build_data(args, topo), args,
                           build_text_encoder(args), topo.device, dp_rank=topo.dp_rank,
                           dp_world=topo.dp_world)

@@ -47,7 +47,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer.attention import AttentionPlan, ChunkLayout, attend, plan_attention
+from trainer.attention import (AttentionPlan, ChunkLayout, attend, block_causal_mask,
+                               plan_attention, teacher_forcing_mask)
 from trainer.model_config import DiTConfig
 
 __all__ = ["KVCache", "VideoDiT", "timestep_features"]
@@ -544,39 +545,95 @@ class VideoDiT(nn.Module):
         return self._unpatchify(out, frames, h, w)
 
     def forward_packed(self, xs: list[torch.Tensor], ts: list[Any], texts: list[torch.Tensor],
-                       text_masks: list[torch.Tensor]) -> list[torch.Tensor]:
+                       text_masks: list[torch.Tensor], causal: bool | None = None) -> list[torch.Tensor]:
         """Predictions [C_out, T_i, H_i, W_i] for samples of different shapes run as one pack.
 
         xs: latents [C, T_i, H_i, W_i]; ts: each sample's raw time (scalar or [T_i]); texts:
         [L_i, text_dim]; text_masks: bool [L_i]. Every sample sees only its own caption, video,
         RoPE grid and time (trainer.data.packing), so each prediction equals forward() on that
-        sample alone. Bidirectional only. Raises ValueError for mismatched shapes.
+        sample alone; causal as in forward() (block-causal within each sample). Raises
+        ValueError for mismatched shapes.
         """
         from trainer.data.packing import pack_layout
 
         layout = pack_layout(xs, texts, self.cfg.patch_size)
-        conds, slots, used = [], [], 0
+        if causal is None:
+            causal = self.cfg.causal_chunk_size is not None
+        within = None
+        if causal:
+            chunk = self._chunk_frames()
+            within = [block_causal_mask(f, r * c, chunk, self.cfg.attn_window_chunks)
+                      for f, r, c in layout.grids]
+        conds, slots = [], []
         for x, t, (frames, rows, cols) in zip(xs, ts, layout.grids):
             cond = self._conditioning(torch.as_tensor(t, device=x.device)[None], None, 1,
                                       x.shape[1], x.device)
             per_frame = torch.arange(frames, device=x.device).repeat_interleave(rows * cols)
-            slots.append(used + (per_frame if cond.shape[1] > 1 else per_frame * 0))
+            slots.append(per_frame if cond.shape[1] > 1 else per_frame * 0)
             conds.append(cond)
-            used += cond.shape[1]
         vid = torch.cat([self._patchify(x[None]) for x in xs], dim=1)
+        pieces = self._run_pack(vid, conds, slots, layout, texts, text_masks, within)
+        return [self._unpatchify(p, *x.shape[1:])[0] for p, x in zip(pieces, xs)]
+
+    def forward_teacher_forcing_packed(self, noisys: list[torch.Tensor], cleans: list[torch.Tensor],
+                                       ts: list[Any], texts: list[torch.Tensor],
+                                       text_masks: list[torch.Tensor],
+                                       rs: list[Any] | None = None) -> list[torch.Tensor]:
+        """Teacher forcing (forward_teacher_forcing) over a pack of samples of different shapes:
+        the noisy-half predictions [C_out, T_i, H_i, W_i], each equal to that sample run alone.
+
+        noisys, cleans: latents [C, T_i, H_i, W_i] (pairwise equal shapes); ts, rs: each
+        sample's raw times (scalar or [T_i]; rs None = ts); texts, text_masks as forward_packed.
+        Raises ValueError for a non-causal model or mismatched shapes.
+        """
+        from trainer.data.packing import pack_layout
+
+        chunk = self._chunk_frames()
+        for noisy, clean in zip(noisys, cleans):
+            if clean.shape != noisy.shape:
+                raise ValueError(f"clean {list(clean.shape)} and noisy {list(noisy.shape)} must match")
+        layout = pack_layout(noisys, texts, self.cfg.patch_size, copies=2)
+        within = [teacher_forcing_mask(f, r * c, chunk, self.cfg.attn_window_chunks)
+                  for f, r, c in layout.grids]
+        rs = [None] * len(noisys) if rs is None else rs
+        zero = torch.zeros(1, 1, device=noisys[0].device)
+        cond_clean = self._embed_time(zero, None if self.r_embedder is None else zero)
+        conds, slots = [], []
+        for x, t, r, (frames, rows, cols) in zip(noisys, ts, rs, layout.grids):
+            r = None if r is None else torch.as_tensor(r, device=x.device)[None]
+            cond = self._conditioning(torch.as_tensor(t, device=x.device)[None], r, 1,
+                                      x.shape[1], x.device)
+            # slot 0: the clean copy at t = 0; noisy tokens slot 1 (per sample) or 1 + frame
+            per_frame = torch.arange(frames, device=x.device).repeat_interleave(rows * cols)
+            noisy_slot = 1 + (per_frame if cond.shape[1] > 1 else per_frame * 0)
+            slots.append(torch.cat([torch.zeros_like(per_frame), noisy_slot]))
+            conds.append(torch.cat([cond_clean, cond], dim=1))
+        vid = torch.cat([torch.cat([self._patchify(c[None]), self._patchify(n[None])], dim=1)
+                         for c, n in zip(cleans, noisys)], dim=1)
+        pieces = self._run_pack(vid, conds, slots, layout, texts, text_masks, within)
+        return [self._unpatchify(p[:, p.shape[1] // 2:], *x.shape[1:])[0]
+                for p, x in zip(pieces, noisys)]
+
+    def _run_pack(self, vid, conds, slots, layout, texts, text_masks, within):
+        """The blocks over a pack's video tokens vid [1, N, D]: conds[i] [1, S_i, D] are sample
+        i's conditioning slots and slots[i] (long, one per token) which of them each of its
+        tokens takes. Returns the head output split per sample ([1, n_i, patch values] each)."""
+        offsets = [0]
+        for cond in conds[:-1]:
+            offsets.append(offsets[-1] + cond.shape[1])
         text = self.text_embedder(torch.cat(texts)[None])
         # Video keys come first in the blocks ([own video | caption]); the layout's mask has the
         # captions first, so its columns are turned around. Dense block-diagonal masks: SDPA.
         captions = text.shape[1]
-        joint = layout.video_mask(text_masks)
+        joint = layout.video_mask(text_masks, within)
         video_plan = AttentionPlan("sdpa", None, torch.cat([joint[..., captions:],
                                                             joint[..., :captions]], dim=-1))
         text_plan = AttentionPlan("sdpa", None, layout.text_mask(text_masks))
         # One modulation slot per token (runs of one token): samples' token counts differ.
-        out, _ = self._run(vid, torch.cat(conds, dim=1), torch.cat(slots),
+        out, _ = self._run(vid, torch.cat(conds, dim=1),
+                           torch.cat([o + s for o, s in zip(offsets, slots)]),
                            layout.positions(vid.device), video_plan, text=(text, text_plan))
-        pieces = out.split(layout.video_lens, dim=1)
-        return [self._unpatchify(p, *x.shape[1:])[0] for p, x in zip(pieces, xs)]
+        return out.split(layout.video_lens, dim=1)
 
     def forward_teacher_forcing(self, noisy: torch.Tensor, clean: torch.Tensor, t: Any, text: torch.Tensor,
                                 text_mask: torch.Tensor | None = None, r: Any = None,
