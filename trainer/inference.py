@@ -149,14 +149,16 @@ def sample_to_dir(checkpoint: str, prompt: str, *, out_dir: str, steps: int | No
                   guidance: float | None,
                   seed: int, weights: str = "auto", first_frame: str | None = None) -> dict:
     """`relay sample`: one clip for one prompt, written as video, contact sheet and frames."""
-    from trainer.evaluate import latents_to_frames
     from trainer.media import write_clip_files
+    from trainer.vae import latents_to_clips
 
     loaded = load_model_for_inference(checkpoint, weights)
     cond = _load_first_frame(first_frame, loaded) if first_frame else None
     latents = generate(loaded, [prompt], steps=steps, guidance=guidance, seed=seed,
                        first_frame=cond)
-    paths = write_clip_files(latents_to_frames(latents[0]), Path(out_dir))
+    # A run from before vae_path existed has no such key: the identity VAE.
+    clip = latents_to_clips(latents[:1], loaded.args.get("vae_path"))[0]
+    paths = write_clip_files(clip, Path(out_dir))
     return {k: str(v) for k, v in paths.items()}
 
 

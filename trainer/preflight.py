@@ -186,14 +186,61 @@ def _validate_text_encoder(args: ResolvedArgs) -> None:
            f"must be below the encoder's {layers} layers.")
 
 
+def _validate_vae(args: ResolvedArgs) -> None:
+    """vae_path, when set: a diffusers AutoencoderKLWan directory whose latents the model takes."""
+    if args.vae_path is None:
+        return
+    directory = Path(args.vae_path)
+    config = directory / "config.json"
+    _check(config.is_file(),
+           f"`vae_path` {directory} holds no config.json. Point it at a diffusers "
+           f"AutoencoderKLWan directory as save_pretrained writes it (a Wan checkpoint's vae/).")
+    try:
+        settings = json.loads(config.read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"`vae_path`: {config} is not readable JSON ({error}).") from None
+    kind = settings.get("_class_name", "AutoencoderKLWan")
+    _check(kind == "AutoencoderKLWan",
+           f"`vae_path` {directory} holds a {kind}; validation decodes with an AutoencoderKLWan.")
+    _check(any(directory.glob("*.safetensors")) or any(directory.glob("*.bin")),
+           f"`vae_path` {directory} has a config.json but no weights (*.safetensors or *.bin).")
+    channels = settings.get("z_dim")
+    in_channels = model_config(args)["in_channels"]
+    _check(channels == in_channels,
+           f"`vae_path` {directory} makes {channels}-channel latents but the model's in_channels "
+           f"is {in_channels}: the VAE must be the one the data was encoded with.")
+    for key in ("latents_mean", "latents_std"):
+        _check(len(settings.get(key) or []) == channels,
+               f"`vae_path` {config}: {key} needs {channels} values (one per latent channel), "
+               f"got {settings.get(key)}.")
+
+
+def _validate_caption_source(args: ResolvedArgs) -> None:
+    """Data without caption embeddings needs a real text encoder to encode its captions."""
+    from trainer.data.index import data_stores_text_embeddings
+
+    try:
+        stored = data_stores_text_embeddings(args.data_path)
+    except Exception:  # noqa: BLE001 - unreadable data is training's error to report
+        return
+    _check(stored or args.text_encoder != "standin",
+           f"the data in {args.data_path} stores captions but no caption embeddings "
+           f"(text_embedding_*), and text_encoder is 'standin', the seeded stand-in of the "
+           f"embedded data, which would train on random word vectors. Set text_encoder to the "
+           f"directory of the encoder the captions are meant for (it encodes them as batches "
+           f"are read), or store embeddings with `relay data encode`.")
+
+
 def _validate_paths(args: ResolvedArgs) -> None:
     _validate_text_encoder(args)
+    _validate_vae(args)
     if args.data_path is not None and not args.synthetic_data:
         dirs = [args.data_path] if isinstance(args.data_path, str) else list(args.data_path)
         for directory in dirs:
             _check(Path(directory).is_dir(),
                    f"data_path {directory} does not exist. Check the path, or generate the "
                    f"embedded data with synthetic_data: true.")
+        _validate_caption_source(args)
     # A warm-start path may be produced by an earlier stage of the same pipeline, so its
     # existence is checked at train time (and by `relay submit` only for stages run alone).
 

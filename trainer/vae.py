@@ -9,6 +9,8 @@ Wan's pipelines expect. Needs the `encode` extra (diffusers); no hub access at r
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -59,3 +61,21 @@ class WanVAE:
         """uint8 frames [T', H', W', 3] of one normalised latent [C, T, H, W]."""
         pixels = self.decode(latent[None])[0]
         return np.rint((pixels.numpy() + 1.0) * 127.5).astype(np.uint8).transpose(1, 2, 3, 0)
+
+
+def latents_to_clips(latents: torch.Tensor, vae_path: str | None) -> list[np.ndarray]:
+    """uint8 clips [T, H, W, 3] of sampled latents [B, C, T, H, W]: decoded by the VAE at
+    vae_path (loaded once per process, on the latents' device), or read as pixels by the
+    identity VAE when vae_path is None."""
+    if vae_path is None:
+        from trainer.evaluate import latents_to_frames
+
+        return [latents_to_frames(x) for x in latents]
+    vae = _cached_vae(str(vae_path), str(latents.device))
+    return [vae.frames(x) for x in latents]
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_vae(directory: str, device: str) -> WanVAE:
+    # Validation decodes every validation_interval steps: one load per run, not per call.
+    return WanVAE(directory, device=device)
