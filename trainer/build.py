@@ -181,7 +181,8 @@ def _tf_anyflow_stage(args: ResolvedArgs, topo: Topology):
 
     model = build_trained_model(args, topo)
     optimizer, scheduler = build_optimization(args, model, max_steps=args.max_steps)
-    forward = TeacherForcingPackedForward if args.packing_token_budget is not None else TeacherForcingForward
+    packed = args.packing_token_budget is not None
+    forward = TeacherForcingPackedForward if packed else TeacherForcingForward
     encoder = build_text_encoder(args, topo.device)
     return TFAnyFlowStage(model, forward(model), optimizer,
                           scheduler, build_ema(args, model),

@@ -218,8 +218,8 @@ def anyflow_residual_groups(u_fn: GroupVelocityFn, x0s: list, noises: list, ts: 
     """anyflow_residual over groups of samples whose shapes differ (a pack: one group a
     sample, [1, C, T_i, H_i, W_i]), with one u call per group list, so a pack runs the model
     five times, as a batch does. Every argument is a list with one entry per group, shaped as
-    anyflow_residual's; guidance[i] is that group's w ([B_i] or one number). Returns (residuals, {"u",
-    "window"} lists).
+    anyflow_residual's; guidance[i] is that group's w ([B_i] or one number). Returns
+    (residuals, {"u", "window"}), lists with one entry per group.
     """
     work = torch.float64 if x0s[0].dtype == torch.float64 else torch.float32
     ws = [torch.as_tensor(w, dtype=work, device=x0.device).expand(x0.shape[0])
@@ -243,7 +243,8 @@ def anyflow_residual_groups(u_fn: GroupVelocityFn, x0s: list, noises: list, ts: 
     for i, (t_plus, t_minus) in enumerate(windows):
         with torch.no_grad():
             width = (t_plus - t_minus).to(work)
-            derivative = (u_plus[i].to(work) - u_minus[i].to(work)) / _per_frame(width.clamp_min(MIN_WINDOW))
+            derivative = ((u_plus[i].to(work) - u_minus[i].to(work))
+                          / _per_frame(width.clamp_min(MIN_WINDOW)))
             if frame_masks[i] is not None:  # clean frames: a zero-width window, no derivative
                 derivative = torch.where(_per_frame(frame_masks[i]), derivative,
                                          torch.zeros_like(derivative))
