@@ -165,8 +165,9 @@ def sample_to_dir(checkpoint: str, prompt: str, *, out_dir: str, steps: int | No
 def evaluate_loaded(loaded: LoadedModel, *, steps: int | None, guidance: float | None,
                     seed: int, captions=None) -> dict:
     """Sample the fixed caption set and score colour and direction from the pixels."""
-    from trainer.evaluate import EVAL_CAPTIONS, latents_to_frames, score_clips
+    from trainer.evaluate import EVAL_CAPTIONS, score_clips
     from trainer.sampling import sampler_settings
+    from trainer.vae import latents_to_clips
 
     default_steps, default_guidance = sampler_settings(loaded.args)
     steps = default_steps if steps is None else steps
@@ -174,7 +175,7 @@ def evaluate_loaded(loaded: LoadedModel, *, steps: int | None, guidance: float |
 
     captions = list(captions or EVAL_CAPTIONS)
     latents = generate(loaded, captions, steps=steps, guidance=guidance, seed=seed)
-    report = score_clips([latents_to_frames(x) for x in latents], captions)
+    report = score_clips(latents_to_clips(latents, loaded.args.get("vae_path")), captions)
     report.update({"checkpoint": str(loaded.checkpoint), "weights": loaded.weights,
                    "steps": steps, "guidance": guidance, "seed": seed, "step": loaded.step})
     return report
