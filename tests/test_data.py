@@ -90,9 +90,11 @@ def test_repeat_two_doubles_that_directorys_samples_per_epoch(shapes_dir, other_
 
 
 def test_missing_columns_are_named_in_the_error(tmp_path):
-    table = pa.table({"id": ["x"], "caption": ["a red square moving left"], "vae_latent_bytes": [b""]})
+    # caption embeddings are optional as a whole triple; half of one is an error
+    table = pa.table({"id": ["x"], "caption": ["a red square moving left"], "vae_latent_bytes": [b""],
+                      "text_embedding_bytes": [b""]})
     pq.write_table(table, tmp_path / "bad.parquet")
-    with pytest.raises(ValueError, match="vae_latent_shape.*text_embedding_bytes"):
+    with pytest.raises(ValueError, match="vae_latent_shape.*text_embedding_shape"):
         ParquetLatentDataset(str(tmp_path))
 
 

@@ -15,39 +15,14 @@ from trainer.data import ParquetLatentDataset, SampleIndex
 from trainer.data.encode import EncodeError, MediaEncoder, encode_manifest, load_media
 from trainer.text_encoder import build_text_encoder
 
-WORDS = ["a", "red", "square", "moving", "left", "blue", "circle", "up", "green", "still"]
-
-
-def _save_text_encoder(directory):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
-
-    vocab = {w: i for i, w in enumerate(["<pad>", "</s>", "<unk>", *WORDS])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
-                            eos_token="</s>").save_pretrained(directory)
-    torch.manual_seed(0)
-    config = UMT5Config(vocab_size=len(vocab), d_model=8, d_kv=4, d_ff=16, num_layers=2,
-                        num_heads=2, pad_token_id=0, eos_token_id=1)
-    UMT5EncoderModel(config).save_pretrained(directory)
-
-
-def _save_vae(directory):
-    from diffusers import AutoencoderKLWan
-
-    torch.manual_seed(0)
-    AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, attn_scales=[],
-                     temperal_downsample=[True], latents_mean=[0.1, -0.2, 0.3, 0.0],
-                     latents_std=[1.5, 0.5, 2.0, 1.0], scale_factor_spatial=2,
-                     scale_factor_temporal=2).save_pretrained(directory)  # one 2x level each
+from fixtures.tiny_encoders import save_text_encoder, save_vae
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    _save_text_encoder(root / "text")
-    _save_vae(root / "vae")
+    save_text_encoder(root / "text")
+    save_vae(root / "vae")
     return root / "vae", root / "text"
 
 

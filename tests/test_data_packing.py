@@ -129,3 +129,136 @@ def test_packed_fm_loss_and_gradients_equal_the_per_sample_mean(tmp_path, keys):
     torch.testing.assert_close(packed, sum(alone) / len(alone), rtol=1e-5, atol=1e-6)
     for got, p in zip(packed_grads, model.parameters()):
         torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-6)
+
+
+# ---- block-causal stages: the chunk rule holds within each sample of a pack --------------------
+
+def _causal_samples():
+    """Three samples of 4, 3 and 1 latent frames (chunks of 2: the second ends in a short chunk),
+    per-frame times for the first, per-sample for the others."""
+    xs, _, texts, masks = _samples()
+    g = torch.Generator().manual_seed(5)
+    xs[0] = torch.randn(C, 4, 4, 6, generator=g, dtype=torch.float64)
+    xs[1] = torch.randn(C, 3, 6, 4, generator=g, dtype=torch.float64)
+    ts = [torch.tensor([50.0, 300.0, 600.0, 950.0]), torch.tensor(400.0), torch.tensor(800.0)]
+    return xs, ts, texts, masks
+
+
+@pytest.mark.parametrize("window", [None, 1])
+def test_block_causal_pack_equals_each_sample_alone(window):
+    model = _model(causal_chunk_size=2, attn_window_chunks=window)
+    xs, ts, texts, masks = _causal_samples()
+    packed = model.forward_packed(xs, ts, texts, masks)
+    for x, t, text, mask, out in zip(xs, ts, texts, masks, packed):
+        alone = model(x[None], t[None], text[None], mask[None])[0]
+        torch.testing.assert_close(out, alone, rtol=1e-10, atol=1e-10)
+    # and the rule is really causal: a later frame of sample 0 does not move its first chunk
+    later = [x.clone() for x in xs]
+    later[0][:, 2:] += 3.0
+    moved = model.forward_packed(later, ts, texts, masks)
+    assert torch.equal(moved[0][:, :2], packed[0][:, :2]) and not torch.equal(moved[0], packed[0])
+
+
+def test_teacher_forcing_pack_equals_each_sample_alone_and_its_gradients_sum():
+    model = _model(causal_chunk_size=2, two_time=True, time_gate=0.25)
+    xs, ts, texts, masks = _causal_samples()
+    g = torch.Generator().manual_seed(9)
+    cleans = [torch.randn(x.shape, generator=g, dtype=torch.float64) for x in xs]
+    rs = [t * 0.5 for t in ts]
+    packed = model.forward_teacher_forcing_packed(xs, cleans, ts, texts, masks, rs)
+    sum(p.square().mean() for p in packed).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    for x, clean, t, r, text, mask, out in zip(xs, cleans, ts, rs, texts, masks, packed):
+        alone = model.forward_teacher_forcing(x[None], clean[None], t[None], text[None],
+                                              mask[None], r=r[None])[0]
+        torch.testing.assert_close(out, alone, rtol=1e-10, atol=1e-10)
+        alone.square().mean().backward()
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def _stage1_args(tmp_path, **keys):
+    model = (f"{{in_channels: {C}, hidden_size: 16, num_attention_heads: 2, num_layers: 2, "
+             f"patch_size: [1, 2, 2], rope_axes_dim: [2, 2, 4], text_dim: {D}, "
+             "causal_chunk_size: 2, two_time: true, time_gate: 0.25}")
+    keys = {"stage": "tf_anyflow", "use_ema": "true", "anyflow_fuse_guidance_scale": 3.0,
+            "transformer_config_overrides": model, "anyflow_time_gate": 0.25,
+            "cfg_drop_prob": 0.3, "image_cond_prob": 0.3, **keys}
+    return _fm_args(tmp_path, **keys)
+
+
+def _stage1_model():
+    return _model(causal_chunk_size=2, two_time=True, time_gate=0.25).float().train()
+
+
+def _anyflow_losses(tmp_path, pack_xs, texts, masks, keys, null_len=5, **arg_keys):
+    """(packed loss, its gradients, stacked-or-alone reference loss, its gradients)."""
+    from trainer.sample_draws import SampleDraws
+    from trainer.stages.tf_anyflow import (TeacherForcingForward, TeacherForcingPackedForward,
+                                           anyflow_batch_loss, anyflow_pack_loss)
+
+    args = _stage1_args(tmp_path, **arg_keys)
+    model = _stage1_model()
+    # the stacked batch swaps a dropped caption for the null one in place: the same length
+    null_text, null_mask = torch.zeros(null_len, D), torch.arange(null_len) < 1
+    positions, total = torch.arange(len(pack_xs)), len(pack_xs)
+    pack = {"packed": True, "latents": pack_xs, "text": texts, "text_mask": masks}
+    loss, _ = anyflow_pack_loss(TeacherForcingPackedForward(model), pack, args, null_text,
+                                null_mask, patch_size=(1, 2, 2),
+                                draws=SampleDraws(args.seed, 3, keys), positions=positions,
+                                global_batch=total)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    return args, model, loss, grads, (TeacherForcingForward(model), anyflow_batch_loss,
+                                      null_text, null_mask, positions, total)
+
+
+def test_packed_stage1_loss_and_gradients_equal_the_stacked_batch(tmp_path):
+    """Samples of one shape: the pack's loss is the batch's, over every pair kind, caption drop,
+    clean first frames and the fused guidance target."""
+    from trainer.sample_draws import SampleDraws
+
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(C, 4, 4, 6, generator=g) for _ in range(4)]
+    texts = [torch.randn(5, D, generator=g) for _ in range(4)]
+    masks = [torch.tensor([True] * n + [False] * (5 - n)) for n in (5, 3, 4, 1)]
+    keys = [10, 11, 12, 13]
+    args, model, packed, grads, (u_model, batch_loss, null_text, null_mask, positions, total) = \
+        _anyflow_losses(tmp_path, xs, texts, masks, keys)
+    batch = {"latents": torch.stack(xs), "text": torch.stack(texts), "text_mask": torch.stack(masks)}
+    stacked, stats = batch_loss(u_model, batch, args, null_text, null_mask, num_tokens=4 * 2 * 3,
+                                draws=SampleDraws(args.seed, 3, keys), positions=positions,
+                                global_batch=total)
+    stacked.backward()
+    assert stats["count_diffusion"] == 2 and stats["count_consistency"] == 1
+    torch.testing.assert_close(packed, stacked, rtol=1e-5, atol=1e-6)
+    for got, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_packed_stage1_loss_of_mixed_shapes_is_the_mean_of_each_sample_alone(tmp_path):
+    from trainer.sample_draws import SampleDraws
+
+    xs, _, texts, masks = _causal_samples()
+    # captions padded to one length (7), as the stacked reference needs for its caption drop
+    masks = [torch.cat([m, torch.zeros(7 - len(m), dtype=torch.bool)]) for m in masks]
+    texts = [torch.cat([t, torch.zeros(7 - len(t), D, dtype=t.dtype)]).float() for t in texts]
+    xs = [x.float() for x in xs]
+    keys = [5, 6, 7]
+    # every sample diffusion: no rescale, so the pack's loss is the plain mean over samples
+    args, model, packed, grads, (u_model, batch_loss, null_text, null_mask, _, _) = \
+        _anyflow_losses(tmp_path, xs, texts, masks, keys, anyflow_diffusion_ratio=1.0,
+                        anyflow_consistency_ratio=0.0, null_len=7)
+    alone = []
+    for x, text, mask, key in zip(xs, texts, masks, keys):
+        batch = {"latents": x[None], "text": text[None], "text_mask": mask[None]}
+        tokens = x.shape[1] * (x.shape[2] // 2) * (x.shape[3] // 2)
+        alone.append(batch_loss(u_model, batch, args, null_text, null_mask, num_tokens=tokens,
+                                draws=SampleDraws(args.seed, 3, [key]))[0])
+    (sum(alone) / len(alone)).backward()
+    torch.testing.assert_close(packed, sum(alone) / len(alone), rtol=1e-5, atol=1e-6)
+    for got, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-6)

@@ -362,6 +362,28 @@ def test_rescale_reference_reaches_a_rank_without_diffusion_samples(tmp_path):
     mp.spawn(_rescale_on_rank, args=(2, f"file://{tmp_path / 'store'}"), nprocs=2, join=True)
 
 
+def _rescale_with_unequal_packs(rank, world, store):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
+    try:
+        # packs: rank 0 holds one diffusion sample, rank 1 three samples, one of them diffusion
+        losses = torch.tensor([1.0]) if rank == 0 else torch.tensor([8.0, 3.0, 0.5])
+        flags = torch.tensor([True]) if rank == 0 else torch.tensor([False, True, False])
+        out, mean_d = adaptive_rescale(losses, flags)
+        assert mean_d.item() == pytest.approx(2.0)
+        assert out.shape == losses.shape
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rescale_reference_gathers_ranks_holding_different_numbers_of_samples(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rescale_with_unequal_packs, args=(2, f"file://{tmp_path / 'store'}"), nprocs=2,
+             join=True)
+
+
 def test_time_weight_is_applied_after_the_rescale():
     losses = torch.tensor([1.0, 4.0, 0.5])
     is_diff = torch.tensor([True, False, False])

@@ -103,17 +103,19 @@ def _keep_attention_outputs():
     return create_selective_checkpoint_contexts(policy)
 
 
-def build_text_encoder(args: ResolvedArgs):
+def build_text_encoder(args: ResolvedArgs, device="cpu"):
+    """The run's text encoder (`text_encoder`: the stand-in or a directory), on `device`."""
     from trainer.text_encoder import build_text_encoder as build
 
     return build(args.text_encoder, text_dim=model_config(args)["text_dim"],
                  max_tokens=args.text_max_tokens,
-                 skip_layer=args.text_encoder_hidden_state_skip_layer)
+                 skip_layer=args.text_encoder_hidden_state_skip_layer, device=device)
 
 
-def build_data(args: ResolvedArgs, topo: Topology, seed_offset: int = 0):
+def build_data(args: ResolvedArgs, topo: Topology, seed_offset: int = 0, text_encoder=None):
     """This rank's batch iterator over the run's parquet data (generating the embedded set first).
     Under context parallel only cp rank 0 of a group reads, and the group shares its batches.
+    text_encoder encodes the captions of data that stores no caption embeddings.
 
     Raises ValueError when the data cannot make the batches asked for (see BatchPlan).
     """
@@ -127,21 +129,22 @@ def build_data(args: ResolvedArgs, topo: Topology, seed_offset: int = 0):
                            max_text_tokens=args.text_max_tokens)
         barrier()
     if topo.cp_size == 1:
-        return _data_reader(args, topo, seed_offset)
+        return _data_reader(args, topo, seed_offset, text_encoder)
     from trainer.context_parallel import GroupSharedBatches
 
-    reader = _data_reader(args, topo, seed_offset) if topo.cp_rank == 0 else None
+    reader = _data_reader(args, topo, seed_offset, text_encoder) if topo.cp_rank == 0 else None
     return GroupSharedBatches(reader, topo.cp_group)
 
 
-def _data_reader(args: ResolvedArgs, topo: Topology, seed_offset: int):
+def _data_reader(args: ResolvedArgs, topo: Topology, seed_offset: int, text_encoder):
     """The DistributedBatchIterator of this rank's data-parallel share."""
     from trainer.data import DistributedBatchIterator, ParquetLatentDataset
 
     packing = args.packing_token_budget is not None
     # Packs keep every caption at its own length; stacked batches need one length.
     dataset = ParquetLatentDataset(args.data_path, pad_text=not packing,
-                                   max_text_tokens=None if packing else args.text_max_tokens)
+                                   max_text_tokens=None if packing else args.text_max_tokens,
+                                   caption_tokens=args.text_max_tokens)
     bad = dataset.index.bad_rows
     if bad:
         log.warning("%d rows of the data are unreadable and left out; first: %s", len(bad), bad[0])
@@ -153,7 +156,7 @@ def _data_reader(args: ResolvedArgs, topo: Topology, seed_offset: int):
         prefetch_factor=args.packed_dataloader_prefetch_factor,
         pin_memory=topo.device.type == "cuda",
         reset_streams=() if args.resume_video_csv else ("video",),
-        grad_accum=args.gradient_accumulation_steps)
+        grad_accum=args.gradient_accumulation_steps, caption_encoder=text_encoder)
 
 
 def sample_latent_shape(args: ResolvedArgs) -> tuple[int, int, int, int]:
@@ -190,22 +193,27 @@ def _fm_stage(args: ResolvedArgs, topo: Topology):
     optimizer, scheduler = build_optimization(args, model, max_steps=args.max_steps)
     # Packs run through forward_packed (registered with FSDP2 in trainer.distributed).
     runs = PackedForward(model) if args.packing_token_budget is not None else model
+    encoder = build_text_encoder(args, topo.device)
     return FlowMatchingStage(model, runs, optimizer, scheduler,
-                             build_ema(args, model), build_data(args, topo), args,
-                             build_text_encoder(args), topo.device, dp_rank=topo.dp_rank,
+                             build_ema(args, model), build_data(args, topo, text_encoder=encoder),
+                             args, encoder, topo.device, dp_rank=topo.dp_rank,
                              dp_world=topo.dp_world)
 
 
 def _tf_anyflow_stage(args: ResolvedArgs, topo: Topology):
     """Stage1: the causal two-time transformer, trained through its teacher-forcing forward."""
-    from trainer.stages.tf_anyflow import TeacherForcingForward, TFAnyFlowStage
+    from trainer.stages.tf_anyflow import (TeacherForcingForward, TeacherForcingPackedForward,
+                                           TFAnyFlowStage)
 
     model = build_trained_model(args, topo)
     optimizer, scheduler = build_optimization(args, model, max_steps=args.max_steps)
-    return TFAnyFlowStage(model, TeacherForcingForward(model), optimizer,
-                          scheduler, build_ema(args, model), build_data(args, topo), args,
-                          build_text_encoder(args), topo.device, dp_rank=topo.dp_rank,
-                          dp_world=topo.dp_world)
+    packed = args.packing_token_budget is not None
+    forward = TeacherForcingPackedForward if packed else TeacherForcingForward
+    encoder = build_text_encoder(args, topo.device)
+    return TFAnyFlowStage(model, forward(model), optimizer,
+                          scheduler, build_ema(args, model),
+                          build_data(args, topo, text_encoder=encoder), args,
+                          encoder, topo.device, dp_rank=topo.dp_rank, dp_world=topo.dp_world)
 
 
 def _dmd_sgf_stage(args: ResolvedArgs, topo: Topology):
@@ -223,9 +231,10 @@ def _dmd_sgf_stage(args: ResolvedArgs, topo: Topology):
         args, critic, max_steps=args.max_steps, use_muon=False,
         learning_rate=args.critic_learning_rate,
         betas=(args.critic_adam_beta1, args.critic_adam_beta2))
+    encoder = build_text_encoder(args, topo.device)
     return DMDSGFStage(student, teacher, critic, {"student": student_opt, "critic": critic_opt},
                        {"student": student_sched, "critic": critic_sched}, build_ema(args, student),
-                       build_data(args, topo), args, build_text_encoder(args), topo.device)
+                       build_data(args, topo, text_encoder=encoder), args, encoder, topo.device)
 
 
 def build_optimization(args: ResolvedArgs, model: torch.nn.Module, *, max_steps: int,

@@ -134,8 +134,8 @@ def _fsdp_mesh(device: torch.device, shape):
 
 
 # Methods the stages call instead of forward; FSDP2 must unshard around them too.
-_FORWARD_METHODS = ("forward_teacher_forcing", "forward_packed", "new_kv_cache", "forward_chunk",
-                    "commit_chunk")
+_FORWARD_METHODS = ("forward_teacher_forcing", "forward_packed", "forward_teacher_forcing_packed",
+                    "new_kv_cache", "forward_chunk", "commit_chunk")
 
 
 def shard_model(model: torch.nn.Module, topo: Topology) -> torch.nn.Module:
@@ -253,14 +253,22 @@ def mean_across_ranks(value: float) -> float:
 
 
 def gather_across_ranks(values: torch.Tensor) -> torch.Tensor:
-    """The concatenation over ranks of a detached 1-D tensor (itself in one process)."""
+    """The concatenation over ranks of a detached 1-D tensor (itself in one process); the
+    ranks' lengths may differ (packs hold different numbers of samples)."""
     values = values.detach()
     if not distributed_active() or dist.get_world_size() == 1:
         return values
     work = values.to(_collective_device())
-    parts = [torch.empty_like(work) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, work)
-    return torch.cat(parts).to(values.device)
+    world = dist.get_world_size()
+    # all_gather needs one shape: the lengths first, then every part padded to the longest.
+    length = torch.tensor([work.numel()], device=work.device)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length)
+    sizes = [int(n) for n in lengths]
+    padded = torch.cat([work, work.new_zeros(max(sizes) - work.numel())])
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes)]).to(values.device)
 
 
 def orthogonalize_sharded(updates: list, orthogonalize) -> list:

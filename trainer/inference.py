@@ -149,22 +149,25 @@ def sample_to_dir(checkpoint: str, prompt: str, *, out_dir: str, steps: int | No
                   guidance: float | None,
                   seed: int, weights: str = "auto", first_frame: str | None = None) -> dict:
     """`relay sample`: one clip for one prompt, written as video, contact sheet and frames."""
-    from trainer.evaluate import latents_to_frames
     from trainer.media import write_clip_files
+    from trainer.vae import latents_to_clips
 
     loaded = load_model_for_inference(checkpoint, weights)
     cond = _load_first_frame(first_frame, loaded) if first_frame else None
     latents = generate(loaded, [prompt], steps=steps, guidance=guidance, seed=seed,
                        first_frame=cond)
-    paths = write_clip_files(latents_to_frames(latents[0]), Path(out_dir))
+    # A run from before vae_path existed has no such key: the identity VAE.
+    clip = latents_to_clips(latents[:1], loaded.args.get("vae_path"))[0]
+    paths = write_clip_files(clip, Path(out_dir))
     return {k: str(v) for k, v in paths.items()}
 
 
 def evaluate_loaded(loaded: LoadedModel, *, steps: int | None, guidance: float | None,
                     seed: int, captions=None) -> dict:
     """Sample the fixed caption set and score colour and direction from the pixels."""
-    from trainer.evaluate import EVAL_CAPTIONS, latents_to_frames, score_clips
+    from trainer.evaluate import EVAL_CAPTIONS, score_clips
     from trainer.sampling import sampler_settings
+    from trainer.vae import latents_to_clips
 
     default_steps, default_guidance = sampler_settings(loaded.args)
     steps = default_steps if steps is None else steps
@@ -172,7 +175,7 @@ def evaluate_loaded(loaded: LoadedModel, *, steps: int | None, guidance: float |
 
     captions = list(captions or EVAL_CAPTIONS)
     latents = generate(loaded, captions, steps=steps, guidance=guidance, seed=seed)
-    report = score_clips([latents_to_frames(x) for x in latents], captions)
+    report = score_clips(latents_to_clips(latents, loaded.args.get("vae_path")), captions)
     report.update({"checkpoint": str(loaded.checkpoint), "weights": loaded.weights,
                    "steps": steps, "guidance": guidance, "seed": seed, "step": loaded.step})
     return report

@@ -50,7 +50,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer.attention import AttentionPlan, ChunkLayout, attend, plan_attention, plan_packed
+from trainer.attention import (AttentionPlan, ChunkLayout, attend, block_causal_mask,
+                               plan_attention, plan_packed, teacher_forcing_mask)
 from trainer.model_config import DiTConfig
 
 __all__ = ["KVCache", "VideoDiT", "timestep_features"]
@@ -571,28 +572,85 @@ class VideoDiT(nn.Module):
         return self._unpatchify(out, frames, h, w)
 
     def forward_packed(self, xs: list[torch.Tensor], ts: list[Any], texts: list[torch.Tensor],
-                       text_masks: list[torch.Tensor]) -> list[torch.Tensor]:
+                       text_masks: list[torch.Tensor], causal: bool | None = None) -> list[torch.Tensor]:
         """Predictions [C_out, T_i, H_i, W_i] for samples of different shapes run as one pack.
 
         xs: latents [C, T_i, H_i, W_i]; ts: each sample's raw time (scalar or [T_i]); texts:
         [L_i, text_dim]; text_masks: bool [L_i]. Every sample sees only its own caption, video,
         RoPE grid and time (trainer.data.packing), so each prediction equals forward() on that
-        sample alone. Bidirectional only. Under context parallel the pack is split after
-        packing (padded to a multiple of cp_size). Raises ValueError for mismatched shapes.
+        sample alone; causal as in forward() (block-causal within each sample). Under context
+        parallel the pack is split after packing (padded to a multiple of cp_size). Raises
+        ValueError for mismatched shapes.
         """
         from trainer.data.packing import pack_layout
 
         layout = pack_layout(xs, texts, self.cfg.patch_size)
-        conds, slots, used = [], [], 0
+        if causal is None:
+            causal = self.cfg.causal_chunk_size is not None
+        within = None
+        if causal:
+            chunk = self._chunk_frames()
+            within = [block_causal_mask(f, r * c, chunk, self.cfg.attn_window_chunks)
+                      for f, r, c in layout.grids]
+        conds, slots = [], []
         for x, t, (frames, rows, cols) in zip(xs, ts, layout.grids):
             cond = self._conditioning(torch.as_tensor(t, device=x.device)[None], None, 1,
                                       x.shape[1], x.device)
             per_frame = torch.arange(frames, device=x.device).repeat_interleave(rows * cols)
-            slots.append(used + (per_frame if cond.shape[1] > 1 else per_frame * 0))
+            slots.append(per_frame if cond.shape[1] > 1 else per_frame * 0)
             conds.append(cond)
-            used += cond.shape[1]
         vid = torch.cat([self._patchify(x[None]) for x in xs], dim=1)
-        positions, slots = layout.positions(vid.device), torch.cat(slots)
+        pieces = self._run_pack(vid, conds, slots, layout, texts, text_masks, within)
+        return [self._unpatchify(p, *x.shape[1:])[0] for p, x in zip(pieces, xs)]
+
+    def forward_teacher_forcing_packed(self, noisys: list[torch.Tensor], cleans: list[torch.Tensor],
+                                       ts: list[Any], texts: list[torch.Tensor],
+                                       text_masks: list[torch.Tensor],
+                                       rs: list[Any] | None = None) -> list[torch.Tensor]:
+        """Teacher forcing (forward_teacher_forcing) over a pack of samples of different shapes:
+        the noisy-half predictions [C_out, T_i, H_i, W_i], each equal to that sample run alone.
+
+        noisys, cleans: latents [C, T_i, H_i, W_i] (pairwise equal shapes); ts, rs: each
+        sample's raw times (scalar or [T_i]; rs None = ts); texts, text_masks as forward_packed.
+        Raises ValueError for a non-causal model or mismatched shapes.
+        """
+        from trainer.data.packing import pack_layout
+
+        chunk = self._chunk_frames()
+        for noisy, clean in zip(noisys, cleans):
+            if clean.shape != noisy.shape:
+                raise ValueError(f"clean {list(clean.shape)} and noisy {list(noisy.shape)} must match")
+        layout = pack_layout(noisys, texts, self.cfg.patch_size, copies=2)
+        within = [teacher_forcing_mask(f, r * c, chunk, self.cfg.attn_window_chunks)
+                  for f, r, c in layout.grids]
+        rs = [None] * len(noisys) if rs is None else rs
+        zero = torch.zeros(1, 1, device=noisys[0].device)
+        cond_clean = self._embed_time(zero, None if self.r_embedder is None else zero)
+        conds, slots = [], []
+        for x, t, r, (frames, rows, cols) in zip(noisys, ts, rs, layout.grids):
+            r = None if r is None else torch.as_tensor(r, device=x.device)[None]
+            cond = self._conditioning(torch.as_tensor(t, device=x.device)[None], r, 1,
+                                      x.shape[1], x.device)
+            # slot 0: the clean copy at t = 0; noisy tokens slot 1 (per sample) or 1 + frame
+            per_frame = torch.arange(frames, device=x.device).repeat_interleave(rows * cols)
+            noisy_slot = 1 + (per_frame if cond.shape[1] > 1 else per_frame * 0)
+            slots.append(torch.cat([torch.zeros_like(per_frame), noisy_slot]))
+            conds.append(torch.cat([cond_clean, cond], dim=1))
+        vid = torch.cat([torch.cat([self._patchify(c[None]), self._patchify(n[None])], dim=1)
+                         for c, n in zip(cleans, noisys)], dim=1)
+        pieces = self._run_pack(vid, conds, slots, layout, texts, text_masks, within)
+        return [self._unpatchify(p[:, p.shape[1] // 2:], *x.shape[1:])[0]
+                for p, x in zip(pieces, noisys)]
+
+    def _run_pack(self, vid, conds, slots, layout, texts, text_masks, within):
+        """The blocks over a pack's video tokens vid [1, N, D]: conds[i] [1, S_i, D] are sample
+        i's conditioning slots and slots[i] (long, one per token) which of them each of its
+        tokens takes. Returns the head output split per sample ([1, n_i, patch values] each)."""
+        offsets = [0]
+        for cond in conds[:-1]:
+            offsets.append(offsets[-1] + cond.shape[1])
+        slots = torch.cat([o + s for o, s in zip(offsets, slots)])
+        positions = layout.positions(vid.device)
         # Context parallel splits the pack's tokens evenly: pad them with tokens that attend
         # only to each other (their outputs are dropped).
         pad = 0 if self.ulysses is None else self.ulysses.padding(vid.shape[1])
@@ -601,29 +659,31 @@ class VideoDiT(nn.Module):
             positions = torch.cat([positions, positions.new_zeros(pad, 3)])
             slots = torch.cat([slots, slots.new_zeros(pad)])
         text = self.text_embedder(torch.cat(texts)[None])
-        video_plan, text_plan = self._packed_plans(layout, text_masks, text.shape[1], pad)
+        video_plan, text_plan = self._packed_plans(layout, text_masks, text.shape[1], pad, within)
         # One modulation slot per token (runs of one token): samples' token counts differ.
         out, _ = self._run(vid, torch.cat(conds, dim=1), slots, positions, video_plan,
                            text=(text, text_plan))
-        pieces = out[:, :sum(layout.video_lens)].split(layout.video_lens, dim=1)
-        return [self._unpatchify(p, *x.shape[1:])[0] for p, x in zip(pieces, xs)]
+        return out[:, :sum(layout.video_lens)].split(layout.video_lens, dim=1)
 
-    def _packed_plans(self, layout, text_masks: list[torch.Tensor], captions: int, padding: int):
+    def _packed_plans(self, layout, text_masks: list[torch.Tensor], captions: int, padding: int,
+                      within: list[torch.Tensor] | None):
         """(video, text) attention plans of a pack: varlen kernels where they run, else dense
         block-diagonal masks for SDPA. `padding` video tokens after the samples (context
-        parallel) form one more sequence of their own."""
+        parallel) form one more sequence of their own. Samples with a mask of their own
+        (`within`: block-causal, teacher forcing) take the dense mask: a varlen kernel sees
+        whole sequences only."""
         device = text_masks[0].device
         vid, txt, real = layout.video_ids(device), layout.text_ids(device), torch.cat(text_masks)
         vid = torch.cat([vid, vid.new_full((padding,), len(layout.grids))])
         kernel = dict(head_dim=self.cfg.head_dim, dtype=self._compute_dtype(device))
         backend = self.cfg.attention_backend
         # The blocks' video keys are [all video | all captions].
-        video_plan = plan_packed(backend, vid, torch.cat([vid, txt]),
-                                 torch.cat([torch.ones_like(vid, dtype=torch.bool), real]),
-                                 **kernel)
+        video_plan = None if within is not None else plan_packed(
+            backend, vid, torch.cat([vid, txt]),
+            torch.cat([torch.ones_like(vid, dtype=torch.bool), real]), **kernel)
         text_plan = plan_packed(backend, txt, txt, real, **kernel)
         if video_plan is None:  # SDPA: the layout's mask has the captions first; turn it around
-            joint = layout.video_mask(text_masks, padding=padding)
+            joint = layout.video_mask(text_masks, within, padding=padding)
             video_plan = AttentionPlan("sdpa", None, torch.cat([joint[..., captions:],
                                                                 joint[..., :captions]], dim=-1))
         if text_plan is None:

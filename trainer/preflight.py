@@ -132,12 +132,12 @@ def _validate_data_keys(args: ResolvedArgs) -> None:
     if args.packing_token_budget is not None:
         _check(args.packing_token_budget >= 1,
                f"`packing_token_budget` must be >= 1 or null, got {args.packing_token_budget}.")
-        _check(args.stage == "fm",
-               f"`packing_token_budget` is set but the {args.stage} stage does not train on packs "
-               "yet (only fm: pretrain and SFT). Set packing_token_budget: null.")
-        _check(model_config(args)["causal_chunk_size"] is None,
-               "`packing_token_budget` is set but the model is block-causal (causal_chunk_size); "
-               "packed attention is bidirectional only. Set packing_token_budget: null.")
+        _check(args.stage != "dmd_sgf",
+               "`packing_token_budget` is set but Stage2 (dmd_sgf) cannot train on packs: its "
+               "student rolls each batch out chunk by chunk through one KV cache, which holds "
+               "samples of one shape, and the teacher and critic score that rollout as one "
+               "batch. Set packing_token_budget: null (Stage2 batches are stacked, so its data "
+               "needs one latent shape per stream).")
     if args.image_sample_prob is not None:
         _check(0.0 <= args.image_sample_prob <= 1.0,
                f"`image_sample_prob` must lie in [0, 1] or be null, got {args.image_sample_prob}.")
@@ -181,14 +181,61 @@ def _validate_text_encoder(args: ResolvedArgs) -> None:
            f"must be below the encoder's {layers} layers.")
 
 
+def _validate_vae(args: ResolvedArgs) -> None:
+    """vae_path, when set: a diffusers AutoencoderKLWan directory whose latents the model takes."""
+    if args.vae_path is None:
+        return
+    directory = Path(args.vae_path)
+    config = directory / "config.json"
+    _check(config.is_file(),
+           f"`vae_path` {directory} holds no config.json. Point it at a diffusers "
+           f"AutoencoderKLWan directory as save_pretrained writes it (a Wan checkpoint's vae/).")
+    try:
+        settings = json.loads(config.read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"`vae_path`: {config} is not readable JSON ({error}).") from None
+    kind = settings.get("_class_name", "AutoencoderKLWan")
+    _check(kind == "AutoencoderKLWan",
+           f"`vae_path` {directory} holds a {kind}; validation decodes with an AutoencoderKLWan.")
+    _check(any(directory.glob("*.safetensors")) or any(directory.glob("*.bin")),
+           f"`vae_path` {directory} has a config.json but no weights (*.safetensors or *.bin).")
+    channels = settings.get("z_dim")
+    in_channels = model_config(args)["in_channels"]
+    _check(channels == in_channels,
+           f"`vae_path` {directory} makes {channels}-channel latents but the model's in_channels "
+           f"is {in_channels}: the VAE must be the one the data was encoded with.")
+    for key in ("latents_mean", "latents_std"):
+        _check(len(settings.get(key) or []) == channels,
+               f"`vae_path` {config}: {key} needs {channels} values (one per latent channel), "
+               f"got {settings.get(key)}.")
+
+
+def _validate_caption_source(args: ResolvedArgs) -> None:
+    """Data without caption embeddings needs a real text encoder to encode its captions."""
+    from trainer.data.index import data_stores_text_embeddings
+
+    try:
+        stored = data_stores_text_embeddings(args.data_path)
+    except Exception:  # noqa: BLE001 - unreadable data is training's error to report
+        return
+    _check(stored or args.text_encoder != "standin",
+           f"the data in {args.data_path} stores captions but no caption embeddings "
+           f"(text_embedding_*), and text_encoder is 'standin', the seeded stand-in of the "
+           f"embedded data, which would train on random word vectors. Set text_encoder to the "
+           f"directory of the encoder the captions are meant for (it encodes them as batches "
+           f"are read), or store embeddings with `relay data encode`.")
+
+
 def _validate_paths(args: ResolvedArgs) -> None:
     _validate_text_encoder(args)
+    _validate_vae(args)
     if args.data_path is not None and not args.synthetic_data:
         dirs = [args.data_path] if isinstance(args.data_path, str) else list(args.data_path)
         for directory in dirs:
             _check(Path(directory).is_dir(),
                    f"data_path {directory} does not exist. Check the path, or generate the "
                    f"embedded data with synthetic_data: true.")
+        _validate_caption_source(args)
     # A warm-start path may be produced by an earlier stage of the same pipeline, so its
     # existence is checked at train time (and by `relay submit` only for stages run alone).
 

@@ -69,10 +69,18 @@ SECTIONS: dict[str, list[Arg]] = {
             "fnmatch patterns of source keys the model may drop (e.g. 'r_embedder.*' when the "
             "Stage2 student loads Stage1 weights). Anything else unexpected is an error."),
         Arg("text_encoder", "str", "standin",
-            "Text encoder for validation and sampling prompts: 'standin' (the deterministic "
-            "seeded token table of the embedded data), or a local directory holding a "
-            "transformers encoder and its tokenizer (UMT5, Qwen2-style; the encode extra)."),
-        Arg("text_max_tokens", "int", 8, "Caption length in tokens (padded and masked)."),
+            "Text encoder for validation and sampling prompts, and for the captions of data "
+            "that stores no caption embeddings: 'standin' (the deterministic seeded token "
+            "table of the embedded data), or a local directory holding a transformers encoder "
+            "and its tokenizer (UMT5, Qwen2-style; the encode extra)."),
+        Arg("vae_path", "path", None,
+            "A local directory holding a diffusers AutoencoderKLWan (config.json and weights, "
+            "as save_pretrained writes them; the encode extra). Validation then decodes its "
+            "sampled latents through it into mp4 clips. null: the identity VAE of the embedded "
+            "data (latents are pixels).", nullable=True),
+        Arg("text_max_tokens", "int", 8,
+            "Caption length in tokens (padded and masked); also the length captions are "
+            "encoded to when the data stores no caption embeddings."),
         Arg("text_encoder_hidden_state_skip_layer", "int", 0,
             "How many final layers of a real text encoder to drop: the caption embedding is "
             "the hidden state that many layers before the last. Encoding and inference must "

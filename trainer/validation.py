@@ -8,6 +8,7 @@ the EMA, and writes
     samples/step-<N>/<weights>/grid.png    one row of frames per caption
     samples/step-<N>/<weights>/frames.npy  uint8 [captions, T, H, W, 3]
     samples/step-<N>/<weights>/clip-<i>.mp4|gif
+    (clips decoded through the VAE at vae_path when it is set; else latents are pixels)
     samples/step-<N>/manifest.json         written last: captions, sampler, scores, files
 
 The scores go into that step's metrics.jsonl record. A validation that fails is logged as an
@@ -52,11 +53,12 @@ def run_validation(stage, args, step: int, output_dir: Path, latent_shape,
     write=False samples and scores without touching the disk (the other ranks of a sharded
     model, which must take part in every forward).
     """
-    from trainer.evaluate import latents_to_frames, score_clips
+    from trainer.evaluate import score_clips
     from trainer.files import write_json
     from trainer.media import write_validation_files
     from trainer.sampling import sampler_for, sampler_settings, sampling_shift
     from trainer.media import write_validation_grid
+    from trainer.vae import latents_to_clips
 
     started = time.perf_counter()
     captions = validation_captions(args.validation_num_captions)
@@ -82,7 +84,7 @@ def run_validation(stage, args, step: int, output_dir: Path, latent_shape,
                                   steps=steps, guidance=guidance,
                                   shift=sampling_shift(args),
                                   generator=torch.Generator().manual_seed(args.validation_seed))
-            clips = [latents_to_frames(x) for x in latents]
+            clips = latents_to_clips(latents, args.vae_path)
             scores = score_clips(clips, captions)
             files = write_validation_files(clips, out / weights) if write else {}
             manifest["weights"][weights] = {

@@ -88,40 +88,27 @@ def vae_input(frames: np.ndarray, *, temporal: int, spatial: int) -> torch.Tenso
 
 
 class MediaEncoder:
-    """The VAE and the text encoder, loaded once per process from local directories."""
+    """The VAE (trainer.vae.WanVAE) and the text encoder, loaded once per process from local
+    directories."""
 
     def __init__(self, vae_dir, text_encoder_dir, *, skip_layer: int = 0, max_text_tokens: int = 512,
                  device="cpu"):
-        try:
-            from diffusers import AutoencoderKLWan
-        except ImportError as error:
-            raise EncodeError("encoding needs diffusers: pip install 'relay[encode]'") from error
         from trainer.text_encoder import TransformersTextEncoder
+        from trainer.vae import WanVAE
 
         try:
-            self.vae = AutoencoderKLWan.from_pretrained(str(vae_dir), local_files_only=True)
+            self.vae = WanVAE(vae_dir, device=device)
             self.text = TransformersTextEncoder(text_encoder_dir, max_tokens=max_text_tokens,
                                                 skip_layer=skip_layer, device=device)
-        except (OSError, ValueError, ImportError) as error:
+        except ImportError as error:
+            raise EncodeError(f"encoding needs diffusers and transformers: {error}") from None
+        except (OSError, ValueError) as error:
             raise EncodeError(f"cannot load the encoders: {error}") from None
-        self.vae = self.vae.to(device).eval().requires_grad_(False)
-        self.device = torch.device(device)
-        cfg = self.vae.config
-        self.temporal, self.spatial = int(cfg.scale_factor_temporal), int(cfg.scale_factor_spatial)
-        if len(cfg.latents_mean) != cfg.z_dim or len(cfg.latents_std) != cfg.z_dim:
-            raise EncodeError(f"{vae_dir}: latents_mean/std hold {len(cfg.latents_mean)} values "
-                              f"for z_dim {cfg.z_dim}")
-        shape = (1, cfg.z_dim, 1, 1, 1)
-        self.mean = torch.tensor(cfg.latents_mean).reshape(shape)
-        self.std = torch.tensor(cfg.latents_std).reshape(shape)
 
-    @torch.no_grad()
     def latent(self, frames: np.ndarray) -> torch.Tensor:
-        """Normalised latent float32 [C, T, H, W]: the posterior mean (deterministic), then
-        (z - latents_mean) / latents_std as Wan's pipelines expect."""
-        x = vae_input(frames, temporal=self.temporal, spatial=self.spatial).to(self.device)
-        z = self.vae.encode(x).latent_dist.mean.float().cpu()
-        return ((z - self.mean) / self.std)[0]
+        """Normalised latent float32 [C, T, H, W] of frames uint8 [T, H, W, 3] (WanVAE.encode)."""
+        return self.vae.encode(vae_input(frames, temporal=self.vae.temporal,
+                                         spatial=self.vae.spatial))[0]
 
     def caption(self, caption: str) -> torch.Tensor:
         """The caption's real tokens' embeddings, float32 [L, D]."""

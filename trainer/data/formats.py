@@ -13,15 +13,17 @@ from collections.abc import Mapping
 from os import PathLike
 from pathlib import Path
 
+# The caption embedding triple. A dataset may leave it out and keep its captions: the trainer
+# then encodes them with its text encoder as it reads (docs/data.md, "Captions without
+# embeddings"). It is all three columns or none.
+TEXT_COLUMNS = ("text_embedding_bytes", "text_embedding_shape", "text_embedding_dtype")
 REQUIRED_COLUMNS = (
     "id",
     "caption",
     "vae_latent_bytes",
     "vae_latent_shape",
     "vae_latent_dtype",
-    "text_embedding_bytes",
-    "text_embedding_shape",
-    "text_embedding_dtype",
+    *TEXT_COLUMNS,
 )
 FIRST_FRAME_COLUMNS = ("first_frame_latent_bytes", "first_frame_latent_shape", "first_frame_latent_dtype")
 # Some FastVideo schemas store the text mask; when it is there it decides which tokens are real.
@@ -67,8 +69,16 @@ def tensor_nbytes(shape, dtype: str) -> int:
 
 
 def missing_columns(names) -> list[str]:
-    """The required columns a shard's schema lacks (empty when it can be read)."""
-    return [c for c in REQUIRED_COLUMNS if c not in names]
+    """The required columns a shard's schema lacks (empty when it can be read). The caption
+    embedding triple counts as missing only when part of it is there."""
+    text_optional = not any(c in names for c in TEXT_COLUMNS)
+    return [c for c in REQUIRED_COLUMNS
+            if c not in names and not (text_optional and c in TEXT_COLUMNS)]
+
+
+def stores_text_embeddings(names) -> bool:
+    """Whether a shard with these columns stores caption embeddings (else only captions)."""
+    return all(c in names for c in TEXT_COLUMNS)
 
 
 def shards_of_directory(root: Path) -> list[Path]:

@@ -20,6 +20,7 @@ from trainer.data.formats import (
     latent_shape_4d,
     missing_columns,
     resolve_datasets,
+    stores_text_embeddings,
 )
 
 
@@ -39,14 +40,20 @@ class SampleIndex:
     [num_blocks + 1] are the bounds of runs of indices that share one row group (the unit of a
     read). Rows whose shape columns are null or malformed are left out and listed in `bad_rows`.
 
-    Raises ValueError naming the shard when a shard lacks a required column, and ValueError
-    when no row is usable.
+    `has_text_embeddings` is False for data that stores captions but no caption embeddings
+    (every shard alike); its rows count `caption_tokens` caption tokens each (the text
+    encoder's length, which encoding at training time pads or cuts to).
+
+    Raises ValueError naming the shard when a shard lacks a required column or stores caption
+    embeddings where another shard does not, and ValueError when no row is usable.
     """
 
-    def __init__(self, data_path):
+    def __init__(self, data_path, caption_tokens: int = 0):
         self.shards: list[Path] = []
         self.bad_rows: list[BadRow] = []
         self.has_first_frame = True
+        self.has_text_embeddings: bool | None = None
+        self.caption_tokens = int(caption_tokens)
         per_row: list[tuple] = []      # (shard, group, row, C, T, H, W, text_len, is_image, dataset)
         copies: list[tuple[int, int, int]] = []  # (first row, row count, repeat) per shard
         for shard_number, (path, repeat, dataset) in enumerate(resolve_datasets(data_path)):
@@ -84,13 +91,24 @@ class SampleIndex:
         if missing:
             raise ValueError(f"{path} lacks required column(s) {', '.join(missing)} (see the data contract)")
         self.has_first_frame &= FIRST_FRAME_COLUMNS[0] in names
+        stored = stores_text_embeddings(names)
+        if self.has_text_embeddings is None:
+            self.has_text_embeddings = stored
+        elif stored != self.has_text_embeddings:
+            raise ValueError(
+                f"{path} {'stores' if stored else 'lacks'} caption embeddings (text_embedding_*) "
+                f"but {self.shards[0]} {'lacks' if stored else 'stores'} them: encode every "
+                "dataset of a run the same way (relay data encode), or drop the columns from all")
         columns = [c for c in INDEX_COLUMNS if c in names]
         rows, offset = [], 0
         for group in range(file.num_row_groups):
             part = file.read_row_group(group, columns=columns).to_pydict()
-            media = part.get("media_type") or [None] * len(part["vae_latent_shape"])
+            count = len(part["vae_latent_shape"])
+            media = part.get("media_type") or [None] * count
+            # Captions without embeddings: planned at the encoder's length.
+            text_shapes = part.get("text_embedding_shape") or [[self.caption_tokens, 0]] * count
             for row, (shape, text_shape, kind) in enumerate(
-                    zip(part["vae_latent_shape"], part["text_embedding_shape"], media)):
+                    zip(part["vae_latent_shape"], text_shapes, media)):
                 try:
                     c, t, h, w = latent_shape_4d(shape or ())
                     if not text_shape or len(text_shape) != 2:
@@ -100,7 +118,7 @@ class SampleIndex:
                     continue
                 is_image = kind == "image" if kind is not None else t == 1
                 rows.append((shard_number, group, row, c, t, h, w, int(text_shape[0]), is_image, dataset))
-            offset += len(part["vae_latent_shape"])
+            offset += count
         return rows
 
     def __len__(self) -> int:
@@ -128,3 +146,12 @@ def first_latent_shape(data_path) -> tuple[int, int, int, int]:
     if table.num_rows == 0:
         raise ValueError(f"{shard} holds no rows")
     return latent_shape_4d(table.column("vae_latent_shape")[0].as_py())
+
+
+def data_stores_text_embeddings(data_path) -> bool:
+    """Whether the data stores caption embeddings, from the schema of each dataset's first
+    shard (a footer read; SampleIndex checks every shard). Raises as resolve_datasets."""
+    firsts: dict[int, Path] = {}
+    for path, _, dataset in resolve_datasets(data_path):
+        firsts.setdefault(dataset, path)
+    return all(stores_text_embeddings(pq.ParquetFile(p).schema_arrow.names) for p in firsts.values())

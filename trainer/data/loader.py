@@ -47,10 +47,11 @@ def collate_batch(items: list[dict]) -> dict:
     (global sample indices).
     """
     frames = [item["first_frame"] for item in items]
+    captions_only = items[0]["text"] is None  # the loader's caption encoder fills them
     return {**_common(items),
             "latents": torch.stack([item["latent"] for item in items]),
-            "text": torch.stack([item["text"] for item in items]),
-            "text_mask": torch.stack([item["text_mask"] for item in items]),
+            "text": None if captions_only else torch.stack([item["text"] for item in items]),
+            "text_mask": None if captions_only else torch.stack([item["text_mask"] for item in items]),
             "first_frame": None if any(f is None for f in frames) else torch.stack(frames)}
 
 
@@ -64,6 +65,18 @@ def collate_pack(items: list[dict]) -> dict:
             "first_frame": [item["first_frame"] for item in items]}
 
 
+def encode_captions(batch: dict, encoder) -> dict:
+    """The batch with its captions encoded by `encoder` (encode(list) -> (hidden [B, L, D],
+    mask [B, L])): a stacked batch gets the encoder's padded length and mask, as stored
+    embeddings are padded to text_max_tokens; a pack keeps each caption's real tokens only, as
+    packs keep stored captions at their own length."""
+    hidden, mask = encoder.encode(batch["captions"])
+    if batch.get("packed"):
+        texts = [h[m] for h, m in zip(hidden, mask)]
+        return {**batch, "text": texts, "text_mask": [torch.ones(len(t), dtype=torch.bool) for t in texts]}
+    return {**batch, "text": hidden, "text_mask": mask}
+
+
 class DistributedBatchIterator:
     """Endless batches for one data-parallel rank, resumable exactly.
 
@@ -71,7 +84,10 @@ class DistributedBatchIterator:
     the order, mixing and packing), plus num_workers / prefetch_factor (DataLoader's; 0 workers
     reads in this process), pin_memory (page-locked batches for a GPU), and reset_streams:
     stream names whose cursors a resume restarts (the seed's resume_video_csv: false is
-    ("video",)). next_batch() gives collate_batch's dict (collate_pack's with a token budget).
+    ("video",)), and caption_encoder: the text encoder (trainer.text_encoder) that encodes the
+    captions of data that stores none of their embeddings, in this process (see
+    encode_captions). next_batch() gives collate_batch's dict (collate_pack's with a token
+    budget).
 
     Raises ValueError at construction if an epoch would hold no batch, or if unpacked batches
     would have to stack samples of different shapes (set a token budget to pack them).
@@ -81,8 +97,12 @@ class DistributedBatchIterator:
                  drop_last: bool = True, token_budget: int | None = None, patch_size=(1, 1, 1),
                  image_sample_prob: float | None = None, num_workers: int = 0,
                  prefetch_factor: int = 2, pin_memory: bool = False, reset_streams=(),
-                 grad_accum: int = 1):
+                 grad_accum: int = 1, caption_encoder=None):
         self.dataset = dataset
+        if not dataset.index.has_text_embeddings and caption_encoder is None:
+            raise ValueError("the data stores captions but no caption embeddings "
+                             "(text_embedding_*), and no caption encoder was given to encode them")
+        self.caption_encoder = caption_encoder if not dataset.index.has_text_embeddings else None
         self.plan = BatchPlan(dataset.index, dp_rank=dp_rank, dp_world=dp_world, seed=seed,
                               batch_size=batch_size, drop_last=drop_last,
                               token_budget=token_budget, patch_size=patch_size,
@@ -140,6 +160,8 @@ class DistributedBatchIterator:
         # The plan is deterministic, so the sampler and this cursor cannot drift; if they ever
         # did, the saved cursor would silently skip or repeat samples.
         assert np.array_equal(batch["sample_index"].numpy(), expected), "loader and cursor disagree"
+        if self.caption_encoder is not None:
+            batch = encode_captions(batch, self.caption_encoder)
         return batch
 
     def __iter__(self):

@@ -5,8 +5,10 @@ them as one batch row: the captions one after another in the text stream, the vi
 after another in the video stream. `PackLayout` says where each sample's tokens sit; from it
 come the block-diagonal masks (a sample attends only to its own caption and video), each
 sample's RoPE grid (starting at frame 0, as if alone), the conditioning slot of every token
-(its own sample's time). VideoDiT.forward_packed uses it, and gives varlen kernels the
-sequence ids (trainer.attention.plan_packed).
+(its own sample's time). VideoDiT.forward_packed and forward_teacher_forcing_packed use it
+(and give varlen kernels the sequence ids: trainer.attention.plan_packed); a block-causal or
+teacher-forcing sample brings its own chunk mask over its own video tokens, and the pack
+places it on the diagonal.
 """
 
 from __future__ import annotations
@@ -18,14 +20,17 @@ import torch
 
 @dataclass(frozen=True)
 class PackLayout:
-    """grids: each sample's patch grid (frames, rows, cols); text_lens: its caption tokens."""
+    """grids: each sample's patch grid (frames, rows, cols); text_lens: its caption tokens;
+    copies: video streams per sample (2 for teacher forcing's [clean | noisy], which share the
+    grid's positions)."""
 
     grids: tuple[tuple[int, int, int], ...]
     text_lens: tuple[int, ...]
+    copies: int = 1
 
     @property
     def video_lens(self) -> list[int]:
-        return [f * r * c for f, r, c in self.grids]
+        return [self.copies * f * r * c for f, r, c in self.grids]
 
     def _ids(self, lengths: list[int], device) -> torch.Tensor:
         return torch.repeat_interleave(torch.arange(len(lengths), device=device),
@@ -42,7 +47,7 @@ class PackLayout:
     def positions(self, device=None) -> torch.Tensor:
         """(frame, row, col) of every video token, each sample's grid from 0: long [N, 3]."""
         grids = [torch.stack(torch.meshgrid(*(torch.arange(n, device=device) for n in g),
-                                            indexing="ij"), dim=-1).reshape(-1, 3)
+                                            indexing="ij"), dim=-1).reshape(-1, 3).repeat(self.copies, 1)
                  for g in self.grids]
         return torch.cat(grids)
 
@@ -54,20 +59,29 @@ class PackLayout:
         eye = torch.eye(len(ids), dtype=torch.bool, device=ids.device)
         return ((ids[:, None] == ids[None, :]) & real[None, :] | eye)[None, None]
 
-    def video_mask(self, text_masks: list[torch.Tensor], padding: int = 0) -> torch.Tensor:
+    def video_mask(self, text_masks: list[torch.Tensor],
+                   within: list[torch.Tensor] | None = None, padding: int = 0) -> torch.Tensor:
         """Video queries over keys [all captions | all video], bool [1, 1, N, L + N]: a token
-        sees its own sample's real caption tokens and its own sample's video. `padding` tokens
-        after the last sample (context parallel splits the pack evenly) see only each other."""
+        sees its own sample's real caption tokens and its own sample's video; within[i] (bool
+        [n_i, n_i], None: all of it) says which of sample i's video keys each of its tokens sees.
+        `padding` tokens after the last sample (context parallel splits the pack evenly) see
+        only each other."""
         device = text_masks[0].device
         vid, txt = self.video_ids(device), self.text_ids(device)
         vid = torch.cat([vid, vid.new_full((padding,), -1)])
         to_text = (vid[:, None] == txt[None, :]) & torch.cat(text_masks)[None, :]
-        to_video = vid[:, None] == vid[None, :]
+        if within is None:
+            to_video = vid[:, None] == vid[None, :]
+        else:
+            pad = torch.ones(padding, padding, dtype=torch.bool, device=device)
+            to_video = torch.block_diag(*(w.to(device) for w in within), pad)
         return torch.cat([to_text, to_video], dim=1)[None, None]
 
 
-def pack_layout(latents: list[torch.Tensor], texts: list[torch.Tensor], patch_size) -> PackLayout:
-    """The layout of samples latents [C, T, H, W] (each) with captions [L, D] (each).
+def pack_layout(latents: list[torch.Tensor], texts: list[torch.Tensor], patch_size,
+                copies: int = 1) -> PackLayout:
+    """The layout of samples latents [C, T, H, W] (each) with captions [L, D] (each), each
+    sample's video `copies` times (see PackLayout).
 
     Raises ValueError when a side is not a multiple of the patch size.
     """
@@ -77,4 +91,4 @@ def pack_layout(latents: list[torch.Tensor], texts: list[torch.Tensor], patch_si
         if any(s % p for s, p in zip(sizes, patch_size)):
             raise ValueError(f"latent {list(latent.shape)} is not a multiple of the patch size {list(patch_size)}")
         grids.append(tuple(s // p for s, p in zip(sizes, patch_size)))
-    return PackLayout(tuple(grids), tuple(int(t.shape[0]) for t in texts))
+    return PackLayout(tuple(grids), tuple(int(t.shape[0]) for t in texts), int(copies))

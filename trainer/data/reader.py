@@ -16,6 +16,7 @@ import torch
 from trainer.data.formats import (
     FIRST_FRAME_COLUMNS,
     REQUIRED_COLUMNS,
+    TEXT_COLUMNS,
     TEXT_MASK_COLUMNS,
     latent_shape_4d,
     normalise_dtype,
@@ -56,18 +57,21 @@ class ParquetLatentDataset:
     "text" float32 [L, D], "text_mask" bool [L], "first_frame" float32 [C, 1, H, W] or None}.
     With pad_text (the default) captions are padded with zeros, or cut, to L = max_text_tokens
     (default: the longest in the data; the chosen L is `text_len`) and masked, so unpacked
-    batches stack; pad_text=False keeps every caption at its stored length (packing).
+    batches stack; pad_text=False keeps every caption at its stored length (packing). Data
+    that stores captions without embeddings gives "text" and "text_mask" None: the loader's
+    caption encoder fills them (its caption_tokens plan each caption's length; SampleIndex).
 
     Raises ValueError (from SampleIndex) naming a shard that lacks required columns.
     """
 
     def __init__(self, data, *, max_text_tokens: int | None = None, pad_text: bool = True,
-                 cache_row_groups: int = WINDOW_BLOCKS + 1):
+                 cache_row_groups: int = WINDOW_BLOCKS + 1, caption_tokens: int = 0):
         if isinstance(data, SampleIndex):
             self.index = data
         else:
             # A resolved [(path, repeat)] list is the mapping {path: repeat} of single shards.
-            self.index = SampleIndex({str(p): int(r) for p, r in data} if isinstance(data, list) else data)
+            self.index = SampleIndex({str(p): int(r) for p, r in data} if isinstance(data, list) else data,
+                                     caption_tokens=caption_tokens)
         self.has_first_frame = self.index.has_first_frame
         self.latent_shape = tuple(int(s) for s in self.index.shape[0])
         longest = int(self.index.text_len.max())
@@ -95,7 +99,9 @@ class ParquetLatentDataset:
         if file is None:
             file = self._files[shard] = pq.ParquetFile(self.index.shards[shard])
         names = file.schema_arrow.names
-        columns = [*REQUIRED_COLUMNS, *(c for c in (*FIRST_FRAME_COLUMNS, *TEXT_MASK_COLUMNS) if c in names)]
+        optional = (*TEXT_COLUMNS, *FIRST_FRAME_COLUMNS, *TEXT_MASK_COLUMNS)
+        columns = [*(c for c in REQUIRED_COLUMNS if c not in TEXT_COLUMNS),
+                   *(c for c in optional if c in names)]
         self._cache[key] = file.read_row_group(group, columns=columns).to_pydict()
         while len(self._cache) > self.cache_row_groups:
             self._cache.popitem(last=False)
@@ -128,6 +134,14 @@ class ParquetLatentDataset:
     def _decode(self, columns: dict[str, list], row: int, index: int) -> dict:
         latent = self._tensor(columns, "vae_latent", row).float()
         latent = latent.reshape(latent_shape_4d(latent.shape))
+        first_frame = None
+        if "first_frame_latent_bytes" in columns:
+            first_frame = self._tensor(columns, "first_frame_latent", row).float()
+            first_frame = first_frame.reshape(latent_shape_4d(first_frame.shape))
+        sample = {"index": index, "id": columns["id"][row], "caption": columns["caption"][row],
+                  "latent": latent, "text": None, "text_mask": None, "first_frame": first_frame}
+        if "text_embedding_bytes" not in columns:
+            return sample  # captions only: encoded by the loader
         embedding = self._tensor(columns, "text_embedding", row).float()
         if "text_attention_mask_bytes" in columns:
             stored_mask = self._tensor(columns, "text_attention_mask", row).reshape(-1).bool()
@@ -139,9 +153,4 @@ class ParquetLatentDataset:
         text[:keep] = embedding[:keep]
         text_mask = torch.zeros(length, dtype=torch.bool)
         text_mask[:keep] = stored_mask[:keep]
-        first_frame = None
-        if "first_frame_latent_bytes" in columns:
-            first_frame = self._tensor(columns, "first_frame_latent", row).float()
-            first_frame = first_frame.reshape(latent_shape_4d(first_frame.shape))
-        return {"index": index, "id": columns["id"][row], "caption": columns["caption"][row],
-                "latent": latent, "text": text, "text_mask": text_mask, "first_frame": first_frame}
+        return {**sample, "text": text, "text_mask": text_mask}

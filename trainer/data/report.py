@@ -26,14 +26,16 @@ def _stats(values: np.ndarray) -> dict:
 def _dtypes_and_byte_errors(path, verify: bool) -> tuple[Counter, list[BadRow]]:
     """dtype strings of the tensor columns, and (with verify) rows whose bytes do not fit."""
     file = pq.ParquetFile(path)
+    # Captions without embeddings store no text_embedding triple.
+    triples = [t for t in _TRIPLES if f"{t}_dtype" in file.schema_arrow.names]
     dtypes: Counter = Counter()
     bad, offset = [], 0
     for group in range(file.num_row_groups):
-        columns = [f"{t}_{part}" for t in _TRIPLES for part in ("dtype", "shape")]
+        columns = [f"{t}_{part}" for t in triples for part in ("dtype", "shape")]
         if verify:
-            columns += [f"{t}_bytes" for t in _TRIPLES]
+            columns += [f"{t}_bytes" for t in triples]
         table = file.read_row_group(group, columns=columns)
-        for t in _TRIPLES:
+        for t in triples:
             dtypes.update(f"{t}:{d}" for d in table.column(f"{t}_dtype").to_pylist())
             if not verify:
                 continue
@@ -76,6 +78,7 @@ def inspect_data(data_path, *, patch_size=(1, 2, 2), verify: bool = False) -> di
         "samples": len(index), "images": int(index.is_image.sum()),
         "datasets": np.bincount(index.dataset).tolist(),
         "shapes": [{"shape": list(s), "count": n} for s, n in shapes.most_common()],
+        "text_embeddings": "stored" if index.has_text_embeddings else "none (captions only)",
         "text_tokens": _stats(index.text_len), "video_tokens": _stats(video_tokens),
         "patch_size": list(patch_size), "dtypes": dict(sorted(dtypes.items())),
         "verified_bytes": verify,
@@ -132,8 +135,11 @@ def format_inspect(report: dict) -> str:
     if len(report["shapes"]) > 12:
         lines.append(f"  ... {len(report['shapes']) - 12} more")
     t, v = report["text_tokens"], report["video_tokens"]
-    lines.append(f"caption tokens min {t['min']} median {t['median']:g} max {t['max']}; video "
-                 f"tokens at patch {report['patch_size']} min {v['min']} median {v['median']:g} max {v['max']}")
+    captions = (f"caption tokens min {t['min']} median {t['median']:g} max {t['max']}"
+                if report["text_embeddings"] == "stored"
+                else "caption embeddings: none stored (the trainer encodes the captions)")
+    lines.append(f"{captions}; video tokens at patch {report['patch_size']} min {v['min']} "
+                 f"median {v['median']:g} max {v['max']}")
     lines.append("dtypes: " + ", ".join(f"{k} x{n}" for k, n in report["dtypes"].items()))
     bad = report["bad_rows"]
     checked = "shapes and byte counts" if report["verified_bytes"] else "shapes (--verify: bytes too)"

@@ -199,33 +199,63 @@ def anyflow_residual(u_fn: VelocityFn, x0: torch.Tensor, noise: torch.Tensor,
     is exactly u - (noise - x0) where t = r and w = 1. Raises ValueError without u_null_fn
     when guidance needs it.
     """
-    work = torch.float64 if x0.dtype == torch.float64 else torch.float32
-    w = torch.as_tensor(guidance, dtype=work, device=x0.device).expand(x0.shape[0])
-    fused = bool((w != 1).any())
+    def one_group(fn):
+        return None if fn is None else (lambda zs, ts, rs: [fn(zs[0], ts[0], rs[0])])
+
+    residuals, extra = anyflow_residual_groups(
+        one_group(u_fn), [x0], [noise], [t], [r], epsilon=epsilon, frame_masks=[frame_mask],
+        guidance=[guidance], u_null_fn=one_group(u_null_fn))
+    return residuals[0], {"u": extra["u"][0], "window": extra["window"][0]}
+
+
+# u over groups of samples: (zs, ts, rs) lists -> predictions, one per group (a pack's samples).
+GroupVelocityFn = Callable[[list, list, list], list]
+
+
+def anyflow_residual_groups(u_fn: GroupVelocityFn, x0s: list, noises: list, ts: list, rs: list,
+                            *, epsilon: float, frame_masks: list, guidance: list,
+                            u_null_fn: GroupVelocityFn | None = None) -> tuple[list, dict]:
+    """anyflow_residual over groups of samples whose shapes differ (a pack: one group a
+    sample, [1, C, T_i, H_i, W_i]), with one u call per group list, so a pack runs the model
+    five times, as a batch does. Every argument is a list with one entry per group, shaped as
+    anyflow_residual's; guidance[i] is that group's w ([B_i] or one number). Returns
+    (residuals, {"u", "window"}), lists with one entry per group.
+    """
+    work = torch.float64 if x0s[0].dtype == torch.float64 else torch.float32
+    ws = [torch.as_tensor(w, dtype=work, device=x0.device).expand(x0.shape[0])
+          for w, x0 in zip(guidance, x0s)]
+    fused = any(bool((w != 1).any()) for w in ws)
     if fused and u_null_fn is None:
         raise ValueError("guidance fusion (w != 1) needs u_null_fn, the null-caption prediction")
-    z = flow.interpolate(x0, noise, t / N)
-    u = u_fn(z, t, r)
+    zs = [flow.interpolate(x0, noise, t / N) for x0, noise, t in zip(x0s, noises, ts)]
+    us = u_fn(zs, ts, rs)
     with torch.no_grad():
-        v_hat = u_fn(z, t, t).to(work)
-        t_plus, t_minus = bounded_window(t, r, epsilon, frame_mask)
-        z_plus = z + (v_hat * _per_frame((t_plus - t).to(work)) / N).to(z.dtype)
-        z_minus = z - (v_hat * _per_frame((t - t_minus).to(work)) / N).to(z.dtype)
-        u_plus = u_fn(z_plus, t_plus, r).to(work)
-        u_minus = u_fn(z_minus, t_minus, r).to(work)
-        width = (t_plus - t_minus).to(work)
-        derivative = (u_plus - u_minus) / _per_frame(width.clamp_min(MIN_WINDOW))
-        if frame_mask is not None:  # clean frames: a zero-width window, no derivative
-            derivative = torch.where(_per_frame(frame_mask), derivative, torch.zeros_like(derivative))
-        correction = _per_frame((t - r).to(work)) * derivative
-        target = flow.velocity_target(x0.to(work), noise.to(work))
-        if fused:
-            u_null = u_null_fn(z, t, t).to(work)
-            target = _per_sample(w) * target + _per_sample(1 - w) * u_null
-    residual = u.to(work) + correction - target
-    if fused:
-        residual = residual / _per_sample(w)
-    return residual, {"u": u, "window": width}
+        v_hats = [v.to(work) for v in u_fn(zs, ts, ts)]
+        windows = [bounded_window(t, r, epsilon, m) for t, r, m in zip(ts, rs, frame_masks)]
+        z_plus = [z + (v * _per_frame((tp - t).to(work)) / N).to(z.dtype)
+                  for z, v, t, (tp, _) in zip(zs, v_hats, ts, windows)]
+        z_minus = [z - (v * _per_frame((t - tm).to(work)) / N).to(z.dtype)
+                   for z, v, t, (_, tm) in zip(zs, v_hats, ts, windows)]
+        u_plus = u_fn(z_plus, [tp for tp, _ in windows], rs)
+        u_minus = u_fn(z_minus, [tm for _, tm in windows], rs)
+        u_null = u_null_fn(zs, ts, ts) if fused else [None] * len(zs)
+    residuals, widths = [], []
+    for i, (t_plus, t_minus) in enumerate(windows):
+        with torch.no_grad():
+            width = (t_plus - t_minus).to(work)
+            derivative = ((u_plus[i].to(work) - u_minus[i].to(work))
+                          / _per_frame(width.clamp_min(MIN_WINDOW)))
+            if frame_masks[i] is not None:  # clean frames: a zero-width window, no derivative
+                derivative = torch.where(_per_frame(frame_masks[i]), derivative,
+                                         torch.zeros_like(derivative))
+            correction = _per_frame((ts[i] - rs[i]).to(work)) * derivative
+            target = flow.velocity_target(x0s[i].to(work), noises[i].to(work))
+            if fused:
+                target = _per_sample(ws[i]) * target + _per_sample(1 - ws[i]) * u_null[i].to(work)
+        residual = us[i].to(work) + correction - target
+        residuals.append(residual / _per_sample(ws[i]) if fused else residual)
+        widths.append(width)
+    return residuals, {"u": us, "window": widths}
 
 
 def masked_mean_square(residual: torch.Tensor, frame_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -361,6 +391,76 @@ def anyflow_batch_loss(u_model: nn.Module, batch: dict, args, null_text: torch.T
     return loss, _kind_stats(losses.detach(), kind, mean_d)
 
 
+class TeacherForcingPackedForward(nn.Module):
+    """`forward` = model.forward_teacher_forcing_packed, so FSDP2's hooks see every packed call."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, noisys, cleans, ts, texts, text_masks, rs=None):
+        return self.model.forward_teacher_forcing_packed(noisys, cleans, ts, texts, text_masks, rs)
+
+
+def anyflow_pack_loss(u_model: nn.Module, batch: dict, args, null_text: torch.Tensor,
+                      null_mask: torch.Tensor, *, patch_size, draws: SampleDraws,
+                      positions: torch.Tensor, global_batch: int) -> tuple[torch.Tensor, dict]:
+    """The Stage1 loss of one pack (trainer.data.loader.collate_pack), as anyflow_batch_loss
+    computes it for a batch: each sample draws the same things in the same order, its pair
+    shift follows its own token count, and each of the five u calls runs the pack once
+    (u_model: TeacherForcingPackedForward). For samples of one shape it equals
+    anyflow_batch_loss on them stacked.
+    """
+    pt, ph, pw = patch_size
+    x0s, texts, masks = batch["latents"], list(batch["text"]), list(batch["text_mask"])
+    device = x0s[0].device
+    time_dtype = torch.float64 if x0s[0].dtype == torch.float64 else torch.float32
+    kinds = kinds_at(positions, global_batch, args.anyflow_diffusion_ratio,
+                     args.anyflow_consistency_ratio)
+    noises, ts, rs, frame_masks, ws, weights = [], [], [], [], [], []
+    null_texts, null_masks = [], []
+    for i, x0 in enumerate(x0s):
+        one = draws.one(i)
+        _, frames, h, w = x0.shape
+        # The order of anyflow_batch_loss: caption drop, u1, u2, conditioning, noise.
+        drop = bool(one.uniform()[0] < args.cfg_drop_prob)
+        if drop:
+            texts[i], masks[i] = null_text.to(x0), null_mask.to(x0.device)
+        u1, u2 = one.uniform().cpu(), one.uniform().cpu()
+        pairs = time_pairs_from(u1, u2, kinds[i:i + 1], args.anyflow_pair_sampler)
+        shift = pair_shift(args, (frames // pt) * (h // ph) * (w // pw))
+        t_raw, r_raw = (v.to(device) for v in raw_time_pairs(pairs, shift, time_dtype))
+        clean = sample_condition_frames(one.uniform(), frames, image_prob=args.image_cond_prob,
+                                        video_prob=args.video_cond_prob,
+                                        video_frames=args.video_cond_frames).to(device)
+        frame_mask = torch.arange(frames, device=device)[None, :] >= clean[:, None]
+        zero = torch.zeros((), dtype=time_dtype, device=device)
+        ts.append(torch.where(frame_mask, t_raw[:, None], zero))
+        rs.append(torch.where(frame_mask, r_raw[:, None], zero))
+        noises.append(one.normal_like(x0[None]))
+        frame_masks.append(frame_mask)
+        ws.append(1.0 if drop else float(args.anyflow_fuse_guidance_scale))
+        weights.append(flow.loss_weight((t_raw / N).float(), args.loss_weighting, shift))
+        null_texts.append(null_text.to(x0))
+        null_masks.append(null_mask.to(device))
+
+    def run(captions, caption_masks):
+        def u_fn(zs, t, r):
+            preds = u_model([z[0] for z in zs], x0s, [v[0] for v in t], captions, caption_masks,
+                            [v[0] for v in r])
+            return [p[None] for p in preds]
+        return u_fn
+
+    residuals, _ = anyflow_residual_groups(
+        run(texts, masks), [x0[None] for x0 in x0s], noises, ts, rs,
+        epsilon=args.anyflow_epsilon, frame_masks=frame_masks, guidance=ws,
+        u_null_fn=run(null_texts, null_masks))
+    losses = torch.cat([masked_mean_square(res, m) for res, m in zip(residuals, frame_masks)])
+    kind = kinds.to(device)
+    loss, mean_d = reduce_anyflow_losses(losses, kind == DIFFUSION, torch.cat(weights))
+    return loss, _kind_stats(losses.detach(), kind, mean_d)
+
+
 def _kind_stats(losses: torch.Tensor, kind: torch.Tensor, mean_d) -> dict:
     stats = {}
     for code, name in KIND_NAMES.items():
@@ -383,6 +483,12 @@ class TFAnyFlowStage(FlowMatchingStage):
         args = self.args
         global_batch = args.train_batch_size * args.gradient_accumulation_steps * self.dp_world
         positions = torch.tensor(batch["sample_keys"]) % global_batch
+        if batch.get("packed"):
+            # A pack's samples take their kinds by the same rule: every global_batch
+            # consecutive samples of the stream hold the configured shares of each kind.
+            return anyflow_pack_loss(self.train_model, batch, args, self.null_text,
+                                     self.null_mask, patch_size=self.model.config["patch_size"],
+                                     draws=draws, positions=positions, global_batch=global_batch)
         return anyflow_batch_loss(self.train_model, batch, args, self.null_text,
                                   self.null_mask, num_tokens=self.tokens_per_sample,
                                   draws=draws, positions=positions, global_batch=global_batch)
