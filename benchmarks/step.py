@@ -418,8 +418,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--matmul-size", type=int, default=8192)
     parser.add_argument("--skip-kernels", action="store_true", help="no attention kernel timing")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--activation-memory-budget", type=float, default=None,
+                        help="the compiled partitioner's activation_memory_budget (fraction of its "
+                             "default saved activations to keep) for both models; default: relay's "
+                             "own (trainer.model.ACTIVATION_MEMORY_BUDGET) and torch's 1.0 for Wan")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
+    if args.activation_memory_budget is not None:
+        import torch._functorch.config as functorch_config
+
+        import trainer.model
+
+        functorch_config.activation_memory_budget = args.activation_memory_budget
+        trainer.model.ACTIVATION_MEMORY_BUDGET = args.activation_memory_budget
     args.profile = [p for p in args.profile.split(",") if p]
     runs = [r for r in args.runs.split(",") if r]
     for spec in runs + args.profile:
@@ -435,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     report = {"command": " ".join(["python", "benchmarks/step.py", *(argv or sys.argv[1:])]),
               "size": {"name": args.size, **SIZES[args.size]}, "versions": versions(device),
-              "allocator": __import__("os").environ.get("PYTORCH_CUDA_ALLOC_CONF"), "runs": []}
+              "allocator": __import__("os").environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+              "activation_memory_budget": args.activation_memory_budget, "runs": []}
 
     def save() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
