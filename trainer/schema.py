@@ -151,6 +151,11 @@ SECTIONS: dict[str, list[Arg]] = {
         Arg("synthetic_data", "bool", False,
             "Generate the embedded moving-shapes dataset into data_path (cached; regenerated "
             "only when these settings change)."),
+        Arg("synthetic_generator", "str", "shapes",
+            "Which embedded dataset: shapes = one coloured shape moving (the tiny default); "
+            "bench = the quality benchmark's scenes (six shapes, eight colours and directions, "
+            "speeds, two objects; positional stand-in captions). It also picks the captions "
+            "and pixel checker of validation and `relay eval`.", choices=("shapes", "bench")),
         Arg("synthetic_num_samples", "int", 2048, "Clips in the synthetic dataset."),
         Arg("synthetic_seed", "int", 0, "Seed of the synthetic dataset."),
         Arg("synthetic_num_frames", "int", 8, "Frames per synthetic clip."),
