@@ -287,6 +287,23 @@ SECTIONS: dict[str, list[Arg]] = {
             "Upper clamp of the teacher/critic score noise level."),
         Arg("critic_max_grad_norm", "float", 1.0, "Critic gradient clipping (0 disables)."),
     ],
+    "health": [
+        Arg("health_gate", "bool", False,
+            "Stop the run, after saving, when it degrades (trainer.health): validation "
+            "mean_score too far below its best several validations in a row, or (Stage2) the "
+            "critic's FM loss diverging from its starting value. The reason goes into "
+            "run-result.json (stop_reason) and `relay status`; the exit code is 1."),
+        Arg("health_score_margin", "float", 0.15,
+            "How far (absolute, scores in [0, 1]) validation mean_score may fall below its "
+            "best before a validation counts as degraded."),
+        Arg("health_score_patience", "int", 2,
+            "Degraded validations in a row that stop the run."),
+        Arg("health_critic_max_ratio", "float", 10.0,
+            "Stage2: the critic's FM loss over its value at the start of Stage2 "
+            "(critic_loss_rel) above which a step counts as diverging (0 turns this check off)."),
+        Arg("health_critic_patience", "int", 5,
+            "Stage2: diverging critic steps in a row that stop the run."),
+    ],
     "output": [
         Arg("output_dir", "path", None,
             "Run directory: checkpoints, metrics, samples. A run resumes from its newest "
