@@ -94,8 +94,8 @@ def test_blank_and_noise_clips_score_nothing():
     noise = np.random.default_rng(1).integers(0, 256, (FRAMES, SIZE, SIZE, 3)).astype(np.uint8)
     for clip in (blank, noise):
         report = score_scenes([clip] * len(scenes), [s.caption for s in scenes])
-        assert report["shape_accuracy"] <= 0.25 and report["direction_accuracy"] <= 0.25
-        assert report["mean_score"] < 0.4
+        assert report["colour_accuracy"] <= 0.25 and report["shape_accuracy"] <= 0.25
+        assert report["direction_accuracy"] <= 0.25 and report["mean_score"] < 0.3
 
 
 def test_a_missing_second_object_fails_the_count():

@@ -7,14 +7,16 @@ the speed split). For each clip:
    and belongs to the reference colour nearest its hue (RGB scaled so its brightest channel
    is 1, which anti-aliased edges keep). Every reference colour has a channel at 255, so the
    brightest channel is the pixel's coverage. A colour with enough coverage in most frames is
-   one object, so the object count is the number of such colours;
+   candidate object, so the object count is the number of such colours that step 3 finds a
+   shape for;
 2. per object, fit a straight trajectory to its centroids: direction = the nearest of the
    eight directions to the displacement (when it is long enough and the fit steady), speed =
    slowly / quickly by the travel over the clip against the generator's split;
 3. shape: for every candidate shape, size it from the object's area, place it on the fitted
    trajectory, render it as the generator would and take the soft IoU with the object's
    coverage, frame by frame; the best candidate is the detected shape and its IoU the clip's
-   fidelity. Temporal consistency is 1 - the mean relative deviation of the object's coverage
+   fidelity; a colour no shape fits (IoU below 0.3: scattered pixels) is not an object.
+   Temporal consistency is 1 - the mean relative deviation of the object's coverage
    from frame to frame (1 for a rigid object, lower when it flickers, grows or fades).
 Expected objects are paired with detected ones by colour first, then by size; an expected
 object without a partner scores wrong on every attribute.
@@ -157,9 +159,12 @@ def temporal_consistency(cover: np.ndarray) -> float:
     return float(max(0.0, 1.0 - np.abs(mass - mean).mean() / mean))
 
 
-def detect_objects(frames: np.ndarray, **segment_kwargs) -> list[dict]:
+def detect_objects(frames: np.ndarray, *, min_object_iou: float = 0.3,
+                   **segment_kwargs) -> list[dict]:
     """Every object in a clip: [{colour, shape, direction, speed, travel, iou, temporal,
-    coverage}], largest first. Raises ValueError unless frames is uint8-like [T, H, W, 3]."""
+    coverage}], largest first. A colour that no candidate shape on a straight path fits with
+    at least min_object_iou (pixels of that hue sprayed over the frame, as noise is) is no
+    object. Raises ValueError unless frames is uint8-like [T, H, W, 3]."""
     frames = np.asarray(frames)
     if frames.ndim != 4 or frames.shape[-1] != 3:
         raise ValueError(f"expected frames [T, H, W, 3], got shape {frames.shape}")
@@ -170,12 +175,15 @@ def detect_objects(frames: np.ndarray, **segment_kwargs) -> list[dict]:
                 "travel": None, "iou": 0.0, "temporal": temporal_consistency(cover),
                 "coverage": float(cover.sum())}
         path = fit_trajectory(cover)
-        if path is not None:
-            item["direction"], item["speed"], item["travel"] = classify_motion(
-                path, num_frames, min(height, width))
-            ious = fit_shapes(cover, path)
-            item["shape"] = max(ious, key=ious.get)
-            item["iou"] = ious[item["shape"]]
+        if path is None:
+            continue
+        ious = fit_shapes(cover, path)
+        item["shape"] = max(ious, key=ious.get)
+        item["iou"] = ious[item["shape"]]
+        if item["iou"] < min_object_iou:
+            continue
+        item["direction"], item["speed"], item["travel"] = classify_motion(
+            path, num_frames, min(height, width))
         found.append(item)
     return sorted(found, key=lambda o: -o["coverage"])
 
