@@ -176,8 +176,8 @@ class ForwardCounter:
         self.tokens = 0
         self.handle = model.blocks[0].register_forward_hook(self._count)
 
-    def _count(self, module, args, kwargs_or_output, *rest):
-        vid = args[1] if len(args) > 1 else None
+    def _count(self, module, args, output):
+        vid = args[1] if len(args) > 1 else None  # block(txt, vid, ...): None on text-only calls
         if vid is not None:
             self.tokens += vid.shape[0] * vid.shape[1]
 

@@ -35,7 +35,6 @@ ATTRIBUTES = ("colour", "shape", "direction", "speed", "count")
 _REFERENCE_NAMES = list(bench.COLOUR_RGB)
 _REFERENCE_RGB = np.asarray([bench.COLOUR_RGB[c] for c in _REFERENCE_NAMES],
                             dtype=np.float64) / 255.0
-_DIRECTION_WORDS = {"left", "right", "up", "down"}
 
 
 def parse_caption(caption: str) -> list[dict]:
