@@ -121,12 +121,20 @@ def inside(shape: str, xs: np.ndarray, ys: np.ndarray, cx: float, cy: float,
 def coverage(shape: str, cx: float, cy: float, size: float, height: int,
              width: int) -> np.ndarray:
     """Fraction of each pixel covered by the shape (4x4 supersampling): float32 [H, W]."""
+    out = np.zeros((height, width), dtype=np.float32)
+    # Only the pixels of the shape's bounding box can be covered: sample those alone.
+    half = size / 2
+    r0, r1 = max(0, int(math.floor(cy - half))), min(height, int(math.ceil(cy + half)) + 1)
+    c0, c1 = max(0, int(math.floor(cx - half))), min(width, int(math.ceil(cx + half)) + 1)
+    if r0 >= r1 or c0 >= c1:
+        return out
     offsets = (np.arange(_SUPERSAMPLE) + 0.5) / _SUPERSAMPLE
-    ys = (np.arange(height)[:, None] + offsets).reshape(-1)[:, None]
-    xs = (np.arange(width)[:, None] + offsets).reshape(-1)[None, :]
+    ys = (np.arange(r0, r1)[:, None] + offsets).reshape(-1)[:, None]
+    xs = (np.arange(c0, c1)[:, None] + offsets).reshape(-1)[None, :]
     hit = inside(shape, xs, ys, cx, cy, size)
-    return hit.reshape(height, _SUPERSAMPLE, width, _SUPERSAMPLE).mean(axis=(1, 3),
-                                                                       dtype=np.float32)
+    out[r0:r1, c0:c1] = hit.reshape(r1 - r0, _SUPERSAMPLE, c1 - c0, _SUPERSAMPLE).mean(
+        axis=(1, 3), dtype=np.float32)
+    return out
 
 
 def area_factor(shape: str) -> float:
