@@ -60,6 +60,14 @@ def test_one_command_trains_the_toy_benchmark_and_writes_the_results_table(tmp_p
     assert result["versions"]["torch"] and "quality.py" in result["command"]
     table = (root / "quality" / "results.md").read_text()
     assert table.count("| sft |") == 5 and table.count("| stage2 |") == 3
+    # relay eval of a benchmark checkpoint uses the benchmark's captions and checker.
+    relay = str(Path(sys.executable).with_name("relay"))
+    proc = subprocess.run([relay, "eval", "--checkpoint", str(root / "stage2"), "--steps", "1",
+                           "--out", str(tmp_path / "eval.json")], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "shape accuracy" in proc.stdout and "fidelity" in proc.stdout
+    assert json.loads((tmp_path / "eval.json").read_text())["num_clips"] == 64
 
 
 def test_the_toy_pipeline_keeps_the_bench_stage_configs(tmp_path):
