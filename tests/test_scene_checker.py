@@ -112,6 +112,7 @@ def test_captions_parse_into_their_objects():
     assert parsed == [
         {"shape": "ring", "colour": "red", "direction": "up left", "speed": "quickly"},
         {"shape": "square", "colour": "white", "direction": "down", "speed": "slowly"}]
+    assert parse_caption("an orange frame moving slowly down right")[0]["colour"] == "orange"
     for scene in _scenes(40):
         assert [o["shape"] for o in parse_caption(scene.caption)] == [o.shape for o in scene.objects]
 

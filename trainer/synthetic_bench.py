@@ -72,7 +72,8 @@ class ObjectSpec:
 
     @property
     def phrase(self) -> str:
-        return f"a {self.colour} {self.shape} moving {self.speed_word} {self.direction}"
+        article = "an" if self.colour[0] in "aeiou" else "a"  # "an orange ring"
+        return f"{article} {self.colour} {self.shape} moving {self.speed_word} {self.direction}"
 
     def centre(self, t: float) -> tuple[float, float]:
         ux, uy = DIRECTION_UNIT[self.direction]
