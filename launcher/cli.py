@@ -48,9 +48,11 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     except InferenceError as exc:
         print(f"relay eval: {exc}", file=sys.stderr)
         return 2
-    print(f"colour accuracy {report['colour_accuracy']:.1%}, direction accuracy "
-          f"{report['direction_accuracy']:.1%} over {len(report['per_caption'])} clips "
-          f"-> {report['path']}")
+    scores = ", ".join(f"{k.replace('_', ' ')} {v:.1%}" for k, v in report.items()
+                       if k.endswith("_accuracy") and k != "both_accuracy")
+    extra = "".join(f", {k} {report[k]:.3f}" for k in ("fidelity", "temporal_consistency")
+                    if k in report)
+    print(f"{scores}{extra} over {len(report['per_caption'])} clips -> {report['path']}")
     return 0
 
 
@@ -413,7 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an image to continue (resized to the model's frame size)")
     p.set_defaults(func=cmd_sample)
 
-    p = sub.add_parser("eval", help="colour and direction accuracy of samples, from the pixels")
+    p = sub.add_parser("eval", help="accuracy of samples from the pixels: colour and direction (the "
+                       "benchmark: every attribute, fidelity)")
     add_model_args(p, steps=30)
     p.add_argument("--out", default=None, help="eval.json path (default: beside the checkpoint)")
     p.set_defaults(func=cmd_eval)

@@ -212,6 +212,10 @@ def explain_failure(state: str, job: JobInfo | None, result: dict[str, Any],
                 f"(Slurm: {reason or 'cancelled'})")
     if state == "UNKNOWN":
         return "Slurm does not know this job (too old for sacct, or another cluster)"
+    stop = result.get("stop_reason")
+    if result.get("status") == "failed" and isinstance(stop, dict):
+        return (f"stopped by the health gate ({stop.get('gate')}) at step {stop.get('step')}, "
+                f"after saving {result.get('last_checkpoint')}: {stop.get('message')}")
     if result.get("status") == "failed" and result.get("error"):
         return f"train.py: {result['error']}"
     if result.get("status") == "preempted" and state != "PREEMPTED":

@@ -107,9 +107,12 @@ def build_text_encoder(args: ResolvedArgs, device="cpu"):
     """The run's text encoder (`text_encoder`: the stand-in or a directory), on `device`."""
     from trainer.text_encoder import build_text_encoder as build
 
+    extra = {}
+    if args.text_encoder == "standin" and args.get("synthetic_generator") == "bench":
+        extra["positional"] = True  # as the benchmark's data was encoded (trainer.synthetic)
     return build(args.text_encoder, text_dim=model_config(args)["text_dim"],
                  max_tokens=args.text_max_tokens,
-                 skip_layer=args.text_encoder_hidden_state_skip_layer, device=device)
+                 skip_layer=args.text_encoder_hidden_state_skip_layer, device=device, **extra)
 
 
 def build_data(args: ResolvedArgs, topo: Topology, seed_offset: int = 0, text_encoder=None):
@@ -126,7 +129,8 @@ def build_data(args: ResolvedArgs, topo: Topology, seed_offset: int = 0, text_en
             ensure_dataset(args.data_path, args.synthetic_num_samples, seed=args.synthetic_seed,
                            num_frames=args.synthetic_num_frames, height=args.synthetic_height,
                            width=args.synthetic_width, text_dim=model_config(args)["text_dim"],
-                           max_text_tokens=args.text_max_tokens)
+                           max_text_tokens=args.text_max_tokens,
+                           generator=args.synthetic_generator)
         barrier()
     if topo.cp_size == 1:
         return _data_reader(args, topo, seed_offset, text_encoder)
@@ -165,11 +169,12 @@ def sample_latent_shape(args: ResolvedArgs) -> tuple[int, int, int, int]:
     Raises FileNotFoundError / ValueError when the data cannot be read (as training would).
     """
     if args.synthetic_data:
-        from trainer.synthetic import make_clip
+        from trainer.synthetic import make_sample
 
         # One clip from the generator itself rather than a copy of its layout here.
-        _, clip = make_clip(args.synthetic_seed, 0, num_frames=args.synthetic_num_frames,
-                            height=args.synthetic_height, width=args.synthetic_width)
+        _, clip = make_sample(args.get("synthetic_generator", "shapes"), args.synthetic_seed, 0,
+                              num_frames=args.synthetic_num_frames,
+                              height=args.synthetic_height, width=args.synthetic_width)
         return tuple(int(s) for s in clip.shape)
     from trainer.data import first_latent_shape
 

@@ -164,8 +164,9 @@ def sample_to_dir(checkpoint: str, prompt: str, *, out_dir: str, steps: int | No
 
 def evaluate_loaded(loaded: LoadedModel, *, steps: int | None, guidance: float | None,
                     seed: int, captions=None) -> dict:
-    """Sample the fixed caption set and score colour and direction from the pixels."""
-    from trainer.evaluate import EVAL_CAPTIONS, score_clips
+    """Sample the fixed caption set of the checkpoint's data and score it from the pixels
+    (colour and direction; for the benchmark every attribute and fidelity)."""
+    from trainer.evaluate import evaluation_suite
     from trainer.sampling import sampler_settings
     from trainer.vae import latents_to_clips
 
@@ -173,9 +174,10 @@ def evaluate_loaded(loaded: LoadedModel, *, steps: int | None, guidance: float |
     steps = default_steps if steps is None else steps
     guidance = default_guidance if guidance is None else guidance
 
-    captions = list(captions or EVAL_CAPTIONS)
+    suite_captions, score = evaluation_suite(loaded.args.get("synthetic_generator", "shapes"))
+    captions = list(captions or suite_captions)
     latents = generate(loaded, captions, steps=steps, guidance=guidance, seed=seed)
-    report = score_clips(latents_to_clips(latents, loaded.args.get("vae_path")), captions)
+    report = score(latents_to_clips(latents, loaded.args.get("vae_path")), captions)
     report.update({"checkpoint": str(loaded.checkpoint), "weights": loaded.weights,
                    "steps": steps, "guidance": guidance, "seed": seed, "step": loaded.step})
     return report

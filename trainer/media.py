@@ -177,9 +177,21 @@ def detection_verdicts(per_caption: Sequence[dict]) -> list[str | None]:
     right, else what the detector read ("read: red, none")."""
     verdicts = []
     for row in per_caption:
-        if row["colour_ok"] and row["direction_ok"]:
+        if "objects" in row:  # trainer.scene_checker's rows
+            verdicts.append(_scene_verdict(row))
+        elif row["colour_ok"] and row["direction_ok"]:
             verdicts.append(None)
         else:
             verdicts.append(f"read: {row['detected_colour'] or 'no colour'}, "
                             f"{row['detected_direction'] or 'no motion'}")
     return verdicts
+
+
+def _scene_verdict(row: dict) -> str | None:
+    """None when every object and the count were read right, else what the checker read."""
+    parts = ("colour", "shape", "direction", "speed")
+    if row["count_ok"] and all(o[f"{p}_ok"] for o in row["objects"] for p in parts):
+        return None
+    read = [" ".join(str(o["detected"][p]) for p in parts) if o["detected"] else "nothing"
+            for o in row["objects"]]
+    return f"read {row['detected_count']}: " + "; ".join(read)

@@ -96,6 +96,7 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
            "not have: relay runs eager PyTorch (with torch.compile per block when "
            "compile_transformer is set). Set legacy_eager_mode: true or remove the key.")
     _validate_data_keys(args)
+    _validate_health_gate(args)
     if check_paths:
         _validate_placeholders(args)
         _validate_paths(args)
@@ -118,6 +119,28 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
 
 
 CONDITIONING_TASKS = ("t2v", "i2v", "continuation")
+
+
+def _validate_health_gate(args: ResolvedArgs) -> None:
+    _check(0.0 <= args.health_score_margin <= 1.0,
+           f"`health_score_margin` must lie in [0, 1] (scores are fractions), got "
+           f"{args.health_score_margin}.")
+    for key in ("health_score_patience", "health_critic_patience"):
+        _check(args[key] >= 1, f"`{key}` must be at least 1, got {args[key]}.")
+    _check(args.health_critic_max_ratio == 0 or args.health_critic_max_ratio > 1,
+           f"`health_critic_max_ratio` must be above 1 (a multiple of the critic's starting "
+           f"loss) or 0 to turn the check off, got {args.health_critic_max_ratio}.")
+    if not args.health_gate:
+        return
+    critic_watched = args.stage == "dmd_sgf" and args.health_critic_max_ratio > 0
+    _check(args.validation_interval > 0 or critic_watched,
+           f"`health_gate: true` has nothing to watch: validation runs only at the end "
+           f"(validation_interval {args.validation_interval}), so the score gate never sees "
+           f"{args.health_score_patience} validations in a row, and the critic check is "
+           f"Stage2's. Set validation_interval to a number of steps, or health_gate: false.")
+    if args.validation_interval <= 0:
+        warnings.warn("`health_gate: true` with validation_interval <= 0 watches the critic "
+                      "only: the score gate needs validations during the run.")
 
 
 def _validate_data_keys(args: ResolvedArgs) -> None:

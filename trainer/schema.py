@@ -159,6 +159,11 @@ SECTIONS: dict[str, list[Arg]] = {
         Arg("synthetic_data", "bool", False,
             "Generate the embedded moving-shapes dataset into data_path (cached; regenerated "
             "only when these settings change)."),
+        Arg("synthetic_generator", "str", "shapes",
+            "Which embedded dataset: shapes = one coloured shape moving (the tiny default); "
+            "bench = the quality benchmark's scenes (six shapes, eight colours and directions, "
+            "speeds, two objects; positional stand-in captions). It also picks the captions "
+            "and pixel checker of validation and `relay eval`.", choices=("shapes", "bench")),
         Arg("synthetic_num_samples", "int", 2048, "Clips in the synthetic dataset."),
         Arg("synthetic_seed", "int", 0, "Seed of the synthetic dataset."),
         Arg("synthetic_num_frames", "int", 8, "Frames per synthetic clip."),
@@ -291,6 +296,23 @@ SECTIONS: dict[str, list[Arg]] = {
         Arg("max_score_timestep_ratio", "float", 0.98,
             "Upper clamp of the teacher/critic score noise level."),
         Arg("critic_max_grad_norm", "float", 1.0, "Critic gradient clipping (0 disables)."),
+    ],
+    "health": [
+        Arg("health_gate", "bool", False,
+            "Stop the run, after saving, when it degrades (trainer.health): validation "
+            "mean_score too far below its best several validations in a row, or (Stage2) the "
+            "critic's FM loss diverging from its starting value. The reason goes into "
+            "run-result.json (stop_reason) and `relay status`; the exit code is 1."),
+        Arg("health_score_margin", "float", 0.15,
+            "How far (absolute, scores in [0, 1]) validation mean_score may fall below its "
+            "best before a validation counts as degraded."),
+        Arg("health_score_patience", "int", 2,
+            "Degraded validations in a row that stop the run."),
+        Arg("health_critic_max_ratio", "float", 10.0,
+            "Stage2: the critic's FM loss over its value at the start of Stage2 "
+            "(critic_loss_rel) above which a step counts as diverging (0 turns this check off)."),
+        Arg("health_critic_patience", "int", 5,
+            "Stage2: diverging critic steps in a row that stop the run."),
     ],
     "output": [
         Arg("output_dir", "path", None,

@@ -1,5 +1,8 @@
 """The embedded dataset: clips of one coloured shape moving in one direction.
 
+(`generator="bench"` writes the harder benchmark scenes of trainer.synthetic_bench instead,
+through the same parquet writer and cache.)
+
 Each clip is a T x H x W video on a black background with one shape (square, circle,
 triangle) of one colour moving left, right, up or down at constant speed, captioned
 "a red square moving left". The "VAE" is the identity, so pixels are the latents: float32
@@ -50,6 +53,7 @@ MANIFEST_FORMAT = "relay.moving-shapes"
 # Bump when the rendering or the row layout changes, so old caches are rebuilt.
 MANIFEST_VERSION = 1
 DEFAULT_FPS = 8.0
+GENERATORS = ("shapes", "bench")
 
 # Sizes and speeds are stated for a 16-pixel frame and scale with min(H, W).
 _SIZE_RANGE_16 = (4.0, 5.0)
@@ -85,6 +89,12 @@ DATASET_SCHEMA = pa.schema(
         pa.field("size", pa.float64()),
         pa.field("speed", pa.float64()),
     ]
+)
+# The benchmark's rows: one JSON column lists the scene's objects instead of one object's fields.
+BENCH_SCHEMA = pa.schema(
+    [f for f in DATASET_SCHEMA if f.name not in
+     ("shape", "colour", "direction", "start_x", "start_y", "size", "speed")]
+    + [pa.field("scene", pa.string())]
 )
 
 
@@ -185,10 +195,30 @@ def make_clip(
     return spec, render_clip(spec, num_frames=num_frames, height=height, width=width)
 
 
+def make_sample(generator: str, seed: int, index: int, *, num_frames: int, height: int,
+                width: int):
+    """(spec with a .caption, latents [3, T, H, W]) of sample `index` of either generator."""
+    if generator == "bench":
+        from trainer.synthetic_bench import make_scene
+
+        return make_scene(seed, index, num_frames=num_frames, height=height, width=width)
+    if generator != "shapes":
+        raise ValueError(f"unknown synthetic generator {generator!r}; known: {', '.join(GENERATORS)}")
+    return make_clip(seed, index, num_frames=num_frames, height=height, width=width)
+
+
+def _text_encoder(text_dim, max_text_tokens, text_encoder_seed, generator) -> StandInTextEncoder:
+    # The benchmark's two-object captions need word order (see trainer.synthetic_bench).
+    return StandInTextEncoder(text_dim, max_text_tokens, text_encoder_seed,
+                              positional=generator == "bench")
+
+
 def _dataset_params(num_samples, seed, num_frames, height, width, samples_per_shard, text_dim,
-                    max_text_tokens, text_encoder_seed, fps) -> dict:
+                    max_text_tokens, text_encoder_seed, fps, generator) -> dict:
     # Everything that changes the written bytes: a cache is reused only if all of it matches.
-    return {
+    # "generator" appears only for the benchmark, so existing caches of the default stay valid.
+    extra = {} if generator == "shapes" else {"generator": generator}
+    return {**extra,
         "num_samples": int(num_samples),
         "seed": int(seed),
         "num_frames": int(num_frames),
@@ -196,7 +226,8 @@ def _dataset_params(num_samples, seed, num_frames, height, width, samples_per_sh
         "width": int(width),
         "samples_per_shard": int(samples_per_shard),
         "fps": float(fps),
-        "text_encoder": StandInTextEncoder(text_dim, max_text_tokens, text_encoder_seed).config,
+        "text_encoder": _text_encoder(text_dim, max_text_tokens, text_encoder_seed,
+                                      generator).config,
     }
 
 
@@ -213,6 +244,7 @@ def generate_dataset(
     max_text_tokens: int = 8,
     text_encoder_seed: int = 0,
     fps: float = DEFAULT_FPS,
+    generator: str = "shapes",
 ) -> Path:
     """Write `num_samples` clips as parquet shards `shard-00000.parquet`, ... plus `dataset.json`.
 
@@ -220,7 +252,8 @@ def generate_dataset(
     tokens, text_dim], as FastVideo stores it): readers pad and build the mask. The text
     encoder is StandInTextEncoder(text_dim, max_text_tokens, text_encoder_seed); its config is
     in the manifest, so sampling can rebuild the same encoder. The manifest is written last and
-    marks the directory complete. Returns out_dir as a Path.
+    marks the directory complete. Returns out_dir as a Path. generator: "shapes" (the default
+    moving-shapes clips) or "bench" (trainer.synthetic_bench's scenes, positional captions).
 
     Raises FileExistsError if out_dir already holds files (old shards would mix into the new
     data: use ensure_dataset to rebuild a cache), ValueError for non-positive counts.
@@ -231,15 +264,19 @@ def generate_dataset(
     out.mkdir(parents=True, exist_ok=True)
     if any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty; generate into an empty directory")
+    if generator not in GENERATORS:
+        raise ValueError(f"unknown synthetic generator {generator!r}; known: {', '.join(GENERATORS)}")
     params = _dataset_params(num_samples, seed, num_frames, height, width, samples_per_shard,
-                             text_dim, max_text_tokens, text_encoder_seed, fps)
-    encoder = StandInTextEncoder(text_dim, max_text_tokens, text_encoder_seed)
+                             text_dim, max_text_tokens, text_encoder_seed, fps, generator)
+    encoder = _text_encoder(text_dim, max_text_tokens, text_encoder_seed, generator)
+    make_row, schema = (_make_bench_row, BENCH_SCHEMA) if generator == "bench" else \
+        (_make_row, DATASET_SCHEMA)
 
     shard_names = []
     for shard_index, first in enumerate(range(0, num_samples, samples_per_shard)):
         indices = range(first, min(first + samples_per_shard, num_samples))
-        rows = [_make_row(seed, i, encoder, num_frames, height, width, fps) for i in indices]
-        table = pa.Table.from_pylist(rows, schema=DATASET_SCHEMA)
+        rows = [make_row(seed, i, encoder, num_frames, height, width, fps) for i in indices]
+        table = pa.Table.from_pylist(rows, schema=schema)
         name = f"shard-{shard_index:05d}.parquet"
         pq.write_table(table, out / name)
         shard_names.append(name)
@@ -252,10 +289,28 @@ def generate_dataset(
 
 def _make_row(seed, index, encoder, num_frames, height, width, fps) -> dict:
     spec, latent = make_clip(seed, index, num_frames=num_frames, height=height, width=width)
-    hidden, mask = encoder.encode([spec.caption])
+    return {**_common_row(f"shapes-s{seed}-{index:07d}", spec.caption, latent, encoder, fps),
+            "shape": spec.shape,
+            "colour": spec.colour,
+            "direction": spec.direction,
+            "start_x": spec.start_x,
+            "start_y": spec.start_y,
+            "size": spec.size,
+            "speed": spec.speed}
+
+
+def _make_bench_row(seed, index, encoder, num_frames, height, width, fps) -> dict:
+    scene, latent = make_sample("bench", seed, index, num_frames=num_frames, height=height,
+                                width=width)
+    return {**_common_row(f"bench-s{seed}-{index:07d}", scene.caption, latent, encoder, fps),
+            "scene": scene.to_json()}
+
+
+def _common_row(sample_id, caption, latent, encoder, fps) -> dict:
+    _, num_frames, height, width = latent.shape
+    hidden, mask = encoder.encode([caption])
     text = hidden[0, mask[0]].numpy()
     first = np.ascontiguousarray(latent[:, :1])
-    sample_id = f"shapes-s{seed}-{index:07d}"
     return {
         "id": sample_id,
         "vae_latent_bytes": latent.tobytes(),
@@ -266,7 +321,7 @@ def _make_row(seed, index, encoder, num_frames, height, width, fps) -> dict:
         "text_embedding_dtype": "float32",
         # Nothing was read from disk; name the generator so the row is traceable.
         "file_name": f"synthetic://moving-shapes/{sample_id}",
-        "caption": spec.caption,
+        "caption": caption,
         "media_type": "video",
         "width": width,
         "height": height,
@@ -276,13 +331,6 @@ def _make_row(seed, index, encoder, num_frames, height, width, fps) -> dict:
         "first_frame_latent_bytes": first.tobytes(),
         "first_frame_latent_shape": list(first.shape),
         "first_frame_latent_dtype": "float32",
-        "shape": spec.shape,
-        "colour": spec.colour,
-        "direction": spec.direction,
-        "start_x": spec.start_x,
-        "start_y": spec.start_y,
-        "size": spec.size,
-        "speed": spec.speed,
     }
 
 
@@ -330,7 +378,8 @@ def ensure_dataset(out_dir, num_samples: int, *, seed: int, **kwargs) -> Path:
     """
     out = Path(out_dir)
     defaults = {"num_frames": 8, "height": 16, "width": 16, "samples_per_shard": 256,
-                "text_dim": 32, "max_text_tokens": 8, "text_encoder_seed": 0, "fps": DEFAULT_FPS}
+                "text_dim": 32, "max_text_tokens": 8, "text_encoder_seed": 0, "fps": DEFAULT_FPS,
+                "generator": "shapes"}
     unknown = set(kwargs) - set(defaults)
     if unknown:
         raise TypeError(f"ensure_dataset() got unknown arguments: {', '.join(sorted(unknown))}")

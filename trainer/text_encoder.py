@@ -41,11 +41,16 @@ class StandInTextEncoder:
     Word vectors have i.i.d. standard-normal entries, drawn from numpy's PCG64 seeded with a
     BLAKE2b hash of "<seed>:<word>" (not Python's hash(), which changes per process). Any word,
     known or not, gets its vector this way, so there is no vocabulary to keep in sync.
+
+    positional=True adds a fixed sinusoidal vector for each token's position. Without it the
+    caption is a bag of words (the model gives text tokens no RoPE), which cannot say which
+    colour belongs to which shape in a two-object caption such as the benchmark's.
     """
 
     name = "standin"
 
-    def __init__(self, text_dim: int = 32, max_tokens: int = 8, seed: int = 0):
+    def __init__(self, text_dim: int = 32, max_tokens: int = 8, seed: int = 0,
+                 positional: bool = False):
         if text_dim < 1 or max_tokens < 1:
             raise ValueError(
                 f"text_dim and max_tokens must be >= 1, got text_dim={text_dim}, "
@@ -54,17 +59,21 @@ class StandInTextEncoder:
         self.text_dim = int(text_dim)
         self.max_tokens = int(max_tokens)
         self.seed = int(seed)
+        self.positional = bool(positional)
         self._table: dict[str, np.ndarray] = {}
 
     @property
     def config(self) -> dict:
         """The constructor arguments plus the name: enough to rebuild an identical encoder."""
-        return {
+        config = {
             "name": self.name,
             "text_dim": self.text_dim,
             "max_tokens": self.max_tokens,
             "seed": self.seed,
         }
+        if self.positional:  # only when on: caches of the plain encoder keep their manifest
+            config["positional"] = True
+        return config
 
     def word_vector(self, word: str) -> np.ndarray:
         """The float32 [text_dim] embedding of one token (same on every machine and run)."""
@@ -91,12 +100,21 @@ class StandInTextEncoder:
             tokens = tokenize(caption)[: self.max_tokens] or [NULL_TOKEN]
             for pos, token in enumerate(tokens):
                 hidden[row, pos] = self.word_vector(token)
+                if self.positional:
+                    hidden[row, pos] += self._position_vector(pos)
             mask[row, : len(tokens)] = True
         return torch.from_numpy(hidden), torch.from_numpy(mask)
 
     def null_embedding(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The unconditional (empty caption) embedding: encode([""]), shapes [1, L, D] and [1, L]."""
         return self.encode([""])
+
+    def _position_vector(self, pos: int) -> np.ndarray:
+        # Transformer-style sinusoids, so neighbouring positions have similar vectors.
+        dims = np.arange(self.text_dim)
+        rates = 1.0 / (100.0 ** ((dims // 2 * 2) / self.text_dim))
+        angles = pos * rates
+        return np.where(dims % 2 == 0, np.sin(angles), np.cos(angles)).astype(np.float32)
 
 
 class TransformersTextEncoder:

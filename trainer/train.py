@@ -31,6 +31,7 @@ from trainer.distributed import (Topology, any_rank, barrier, destroy, init_dist
                                  ranks_per_node_from_env, world_size_from_env)
 from trainer.environment import launch_manifest
 from trainer.files import write_json
+from trainer.health import HealthGate
 from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler, interrupts_deferred
 from trainer.run_lock import RunLock, RunLockError, acquire_run_lock
 from trainer.preflight import describe_plan
@@ -153,6 +154,8 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
         return 0
     metrics = MetricsWriter(out, enabled=topo.is_main)
     metrics.truncate_after(start_step)
+    gate = HealthGate(args)
+    gate.replay(metrics.path, start_step)
     tracker = WandbReporter(args, enabled=topo.is_main)
     progress = Progress(args.max_steps, start_step, enabled=topo.is_main)
     last_saved = start_step
@@ -179,10 +182,19 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
             progress.update(step, record)
             result["step"] = step
             preempted = any_rank(handler.requested)
-            if preempted or step % args.save_interval == 0 or step == args.max_steps:
+            stop = gate.observe(step, {**numbers, **(record or {})})
+            unhealthy = any_rank(stop is not None)  # validation scores live on rank 0 only
+            if (preempted or unhealthy or step % args.save_interval == 0
+                    or step == args.max_steps):
                 with interrupts_deferred():
                     result["last_checkpoint"] = run_state.save(manager, args, topo, stage, step)
                 last_saved = step
+            if unhealthy:
+                status = "failed"
+                if stop is not None:
+                    result.update(error=stop.message, stop_reason=stop.to_json())
+                    log.error("%s Saved checkpoint-%d.", stop.message, step)
+                break
             if preempted:
                 status = "preempted"
                 log.warning("preemption signal %s: saved checkpoint-%d, exiting with code %d "
@@ -196,7 +208,7 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
         progress.close()
         tracker.finish()
     result["status"] = status
-    return PREEMPTED_EXIT_CODE if status == "preempted" else 0
+    return {"preempted": PREEMPTED_EXIT_CODE, "failed": 1}.get(status, 0)
 
 
 def _validate(stage, args: ResolvedArgs, step: int, out: Path, topo: Topology) -> dict:

@@ -12,7 +12,9 @@ sigma_s; teacher x0 with reference CFG R_s = c + s (c - u) and critic x0 (condit
 g = (x0_fake - x0_real) / per-sample mean |x_hat - x0_real|; L_G = 0.5 masked_mean((x_hat -
 sg(x_hat - g))^2), whose gradient w.r.t. x_hat is g / #valid elements (§7.5). Critic update:
 a fresh no-grad rollout x_hat, FM loss of the critic on it (§7.6). EMA of the student after
-its updates, counted in student updates (§7.8a, §9).
+its updates, counted in student updates (§7.8a, §9). Every step also logs what the health
+gate (trainer.health) watches: dmd_grad_rms, critic_loss_rel (the critic's FM loss over its
+first value) and generator_critic_loss_ratio.
 """
 
 from __future__ import annotations
@@ -192,6 +194,7 @@ class DMDSGFStage(Stage):
         self.null_mask = null_mask[0].to(device)
         self.student_updates = 0
         self.last_generator: dict[str, float] = {}
+        self.critic_loss_start: float | None = None  # the first critic loss of this Stage2
         self.tokens_per_sample = 0
 
     # ---- one outer step ------------------------------------------------------------------
@@ -206,6 +209,7 @@ class DMDSGFStage(Stage):
         samples += self.args.train_batch_size
         numbers.update(critic)
         numbers.update(self.last_generator)
+        numbers.update(self._health_numbers(critic["critic_loss"]))
         numbers.update({
             "student_updates": self.student_updates,
             "lr": self.optimizers["student"].param_groups[0]["lr"],
@@ -257,6 +261,18 @@ class DMDSGFStage(Stage):
         optimizer.zero_grad(set_to_none=True)
         return {"critic_loss": loss_value, "critic_grad_norm": grad_norm,
                 "critic_lr": optimizer.param_groups[0]["lr"]}
+
+    def _health_numbers(self, critic_loss: float) -> dict[str, float]:
+        """What trainer.health watches: the critic's FM loss over its first value in this
+        Stage2 run, and the latest student loss over this step's critic loss (a student whose
+        DMD loss grows while the critic's does not is drifting from the teacher)."""
+        if self.critic_loss_start is None:
+            self.critic_loss_start = critic_loss
+        numbers = {"critic_loss_rel": critic_loss / max(self.critic_loss_start, 1e-12)}
+        if "generator_loss" in self.last_generator:
+            numbers["generator_critic_loss_ratio"] = (self.last_generator["generator_loss"]
+                                                      / max(critic_loss, 1e-12))
+        return numbers
 
     # ---- pieces ---------------------------------------------------------------------------
     def _draws(self, batch: dict, step: int) -> SampleDraws:
@@ -367,12 +383,14 @@ class DMDSGFStage(Stage):
         state = super().extra_state()
         state["student_updates"] = self.student_updates
         state["last_generator"] = dict(self.last_generator)
+        state["critic_loss_start"] = self.critic_loss_start
         return state
 
     def load_extra_state(self, state: dict) -> None:
         super().load_extra_state(state)
         self.student_updates = int(state.get("student_updates", 0))
         self.last_generator = dict(state.get("last_generator", {}))
+        self.critic_loss_start = state.get("critic_loss_start")
 
     def sampling_model(self, weights: str = "live") -> nn.Module:
         return self.student

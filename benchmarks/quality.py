@@ -1,0 +1,306 @@
+"""The quality benchmark: does distillation keep the teacher's quality at a few steps?
+
+    python benchmarks/quality.py plan [--pipeline config/pipeline/bench.yaml]
+    python benchmarks/quality.py run --root runs/bench [--train] [--toy] [--captions 64]
+
+`plan` sizes the pipeline by arithmetic (no GPU, no torch): per stage the video tokens, the
+forward passes and counted FLOPs of one step (benchmarks/flops.py), and the step time they
+imply at an assumed throughput and a per-pass floor, then the minutes of each stage and in
+all. The assumptions are options, printed with the table.
+
+`run` evaluates the trained stages of a pipeline root (with --train it first trains them with
+`relay run PIPELINE --root ROOT`) on the benchmark's fixed captions with the pixel checker of
+`relay eval` (trainer.scene_checker): the SFT teacher at 1, 2, 4, 8 and 50 Euler steps with
+its CFG, Stage1 (flow map, guidance fused) and Stage2 (causal rollout) at 1, 2 and 4 steps.
+For each: every attribute score, mean score, fidelity, temporal consistency, function
+evaluations per clip (measured: video tokens through the first block over the clip's tokens,
+so a CFG pair counts 2 and a cached causal chunk its share) and wall time per clip. Writes
+ROOT/quality/results.json (with versions, machine, command) and results.md (the table for
+docs/stages.md).
+
+--toy swaps in a CPU-sized pipeline written into ROOT (a tiny model, 8 frames of 16x16, two
+steps a stage): the same code path, numbers that mean nothing, minutes on a laptop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python benchmarks/quality.py`: make the repository importable
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.flops import relay_forward_flops  # noqa: E402
+
+TEACHER_STEPS = (1, 2, 4, 8, 50)
+STUDENT_STEPS = (1, 2, 4)
+ROWS = (("sft", TEACHER_STEPS), ("stage1", STUDENT_STEPS), ("stage2", STUDENT_STEPS))
+ATTRIBUTES = ("colour", "shape", "direction", "speed", "count")
+
+
+# ---- plan: sizing by arithmetic ------------------------------------------------------------
+
+def stage_work(args) -> dict:
+    """Per step of a stage: forward-equivalent FLOPs per sample (in units of one bidirectional
+    forward over the clip) and forward passes (kernel launches scale with these, not tokens).
+
+    fm: forward + backward = 3. tf_anyflow: one forward with grad and 3 (+1 with guidance
+    fused) without, each over [clean | noisy] = twice the tokens. dmd_sgf: each critic update
+    rolls the student out (mean exit 1.5 of 4 steps: 2.5 steps + a commit per chunk, on the
+    chunk's share of the tokens) and trains the critic (3); every generator_update_interval-th
+    step the student also rolls out, replays its exit chunk with grad over twice the tokens
+    (3), and scores with the teacher's CFG pair (2) and the critic (1).
+    """
+    from trainer.schema import model_config
+
+    cfg = model_config(args)
+    pt, ph, pw = cfg["patch_size"]
+    tokens = (args.synthetic_num_frames // pt) * (args.synthetic_height // ph) * (
+        args.synthetic_width // pw)
+    one = relay_forward_flops(cfg, tokens, args.text_max_tokens)
+    double = relay_forward_flops(cfg, 2 * tokens, args.text_max_tokens)
+    if args.stage == "fm":
+        flops, passes = 3 * one, 3
+    elif args.stage == "tf_anyflow":
+        no_grad = 3 + (args.anyflow_fuse_guidance_scale != 1.0)
+        flops, passes = (3 + no_grad) * double, 3 + no_grad
+    else:
+        chunks = args.synthetic_num_frames // (cfg["causal_chunk_size"] * pt)
+        steps = len(args.dmd_denoising_steps)
+        rollout_steps = (steps - 1) / 2 + 1 + 1  # mean exit + the exit step + the commit
+        rollout = rollout_steps * one
+        student = (rollout + 3 * double + 2 * one + one) / args.generator_update_interval
+        flops = rollout + 3 * one + student
+        passes = rollout_steps * chunks + 3 + (rollout_steps * chunks + 6) / args.generator_update_interval
+    return {"video_tokens": tokens, "forward_flops": one, "flops_per_sample": flops,
+            "passes": passes}
+
+
+def plan(pipeline_path: str, tflops: float, pass_floor_s: float) -> dict:
+    """Minutes of every stage of a pipeline at `tflops` TFLOP/s achieved, a step taking at
+    least `pass_floor_s` per forward pass per layer. Torch-free."""
+    from launcher.pipeline import load_pipeline_yaml
+    from trainer.args import resolve_config
+
+    spec = load_pipeline_yaml(pipeline_path)
+    stages, total = [], 0.0
+    for name, stage in spec["stages"].items():
+        overrides = {k: v for k, v in (stage.get("overrides") or {}).items()}
+        args = resolve_config(str(REPO / stage["config"]), overrides, check_paths=False)
+        work = stage_work(args)
+        batch = args.train_batch_size * args.gradient_accumulation_steps
+        step_flops = work["flops_per_sample"] * batch
+        layers = args.transformer_config_overrides["num_layers"]
+        step_s = max(step_flops / (tflops * 1e12), work["passes"] * layers * pass_floor_s)
+        minutes = step_s * args.max_steps / 60
+        total += minutes
+        stages.append({"stage": name, "objective": args.stage, "max_steps": args.max_steps,
+                       "batch": batch, **work, "step_tflop": step_flops / 1e12,
+                       "step_s": step_s, "minutes": minutes})
+    return {"pipeline": pipeline_path, "tflops": tflops, "pass_floor_s": pass_floor_s,
+            "stages": stages, "total_minutes": total}
+
+
+def plan_markdown(found: dict) -> str:
+    lines = [f"Plan of {found['pipeline']}: {found['tflops']:g} TFLOP/s achieved, at least "
+             f"{found['pass_floor_s'] * 1e3:g} ms per forward pass per layer.", "",
+             "| stage | objective | steps | batch | video tokens | fwd GFLOP/clip | passes/step "
+             "| TFLOP/step | s/step | minutes |", "| --- | --- | --- | --- | --- | --- | --- | --- "
+             "| --- | --- |"]
+    for s in found["stages"]:
+        lines.append(f"| {s['stage']} | {s['objective']} | {s['max_steps']} | {s['batch']} | "
+                     f"{s['video_tokens']} | {s['forward_flops'] / 1e9:.1f} | {s['passes']:.1f} | "
+                     f"{s['step_tflop']:.2f} | {s['step_s']:.3f} | {s['minutes']:.1f} |")
+    lines.append(f"| all | | | | | | | | | {found['total_minutes']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---- run: train, then evaluate -----------------------------------------------------------
+
+def toy_pipeline(root: Path) -> Path:
+    """A CPU-sized copy of bench.yaml in root: the bench configs with a tiny model and data."""
+    import yaml
+
+    model = {"in_channels": 3, "hidden_size": 32, "num_attention_heads": 2, "num_layers": 2,
+             "patch_size": [1, 4, 4], "rope_axes_dim": [4, 4, 8], "text_dim": 32,
+             "qk_norm": True}
+    causal = {**model, "causal_chunk_size": 4}
+    small = {"synthetic_num_samples": 32, "synthetic_num_frames": 8, "synthetic_height": 16,
+             "synthetic_width": 16, "train_batch_size": 4, "max_steps": 2, "save_interval": 2,
+             "warmup_steps": 0, "log_interval": 1, "validation_interval": -1,
+             "data_path": "${root}/data/sft"}
+    overrides = {
+        "pretrain": {"transformer_config_overrides": model, "data_path": "${root}/data/pretrain"},
+        "sft": {"transformer_config_overrides": model,
+                "pretrained_transformer_path": "${stages.pretrain.output_dir}"},
+        "stage1": {"transformer_config_overrides": {**causal, "two_time": True, "time_gate": 0.25},
+                   "pretrained_transformer_path": "${stages.sft.output_dir}"},
+        "stage2": {"transformer_config_overrides": {**causal, "two_time": False},
+                   "student_init_path": "${stages.stage1.output_dir}",
+                   "teacher_init_path": "${stages.sft.output_dir}",
+                   "critic_init_path": "${stages.sft.output_dir}",
+                   "generator_update_interval": 1},
+    }
+    spec = {"name": "bench-toy", "root": str(root),
+            "cluster": {"nodes": 1, "gpus_per_node": 0, "tasks_per_node": 1, "cpus_per_task": 2,
+                        "mem": "4G", "time": 30, "network": "none", "warmup": False},
+            "stages": {name: {"config": str(REPO / "config" / "bench" / f"{name}.yaml"),
+                              "overrides": {**small, **extra}}
+                       for name, extra in overrides.items()}}
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "toy-pipeline.yaml"
+    path.write_text("# Written by benchmarks/quality.py --toy: bench.yaml at CPU size.\n"
+                    + yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def train(pipeline: Path, root: Path) -> None:
+    """`relay run PIPELINE --root ROOT`; raises SystemExit with its code when a stage fails."""
+    code = subprocess.call([sys.executable, "-m", "launcher.cli", "run", str(pipeline),
+                            "--root", str(root)], cwd=REPO)
+    if code:
+        raise SystemExit(f"quality: relay run failed (exit {code}); see {root}")
+
+
+class ForwardCounter:
+    """Counts video tokens through the model's first block: function evaluations per clip =
+    counted tokens / (clips x video tokens of a clip)."""
+
+    def __init__(self, model):
+        self.tokens = 0
+        self.handle = model.blocks[0].register_forward_hook(self._count)
+
+    def _count(self, module, args, output):
+        vid = args[1] if len(args) > 1 else None  # block(txt, vid, ...): None on text-only calls
+        if vid is not None:
+            self.tokens += vid.shape[0] * vid.shape[1]
+
+    def close(self):
+        self.handle.remove()
+
+
+def evaluate_stage(stage_dir: Path, steps_list, *, captions: int, seed: int, device: str):
+    """One row per step count: scores, function evaluations and wall time per clip."""
+    import torch
+
+    from trainer.evaluate import evaluation_suite, latents_to_frames, summary_scores
+    from trainer.inference import generate, load_model_for_inference
+    from trainer.sampling import sampler_settings
+
+    loaded = load_model_for_inference(stage_dir, "auto", device=device)
+    prompts, score = evaluation_suite(loaded.args.get("synthetic_generator", "shapes"))
+    prompts = list(prompts[:captions])
+    _, guidance = sampler_settings(loaded.args)
+    cfg = loaded.model.cfg
+    _, t, h, w = loaded.latent_shape
+    clip_tokens = (t // cfg.patch_size[0]) * (h // cfg.patch_size[1]) * (w // cfg.patch_size[2])
+    # First touch of memory and kernels is slow (docs/performance.md): not part of a clip.
+    generate(loaded, prompts[:1], steps=1, guidance=guidance, seed=seed)
+    rows = []
+    for steps in steps_list:
+        counter = ForwardCounter(loaded.model)
+        _synchronize(torch, device)
+        started = time.perf_counter()
+        latents = generate(loaded, prompts, steps=steps, guidance=guidance, seed=seed)
+        _synchronize(torch, device)
+        seconds = time.perf_counter() - started
+        counter.close()
+        report = score([latents_to_frames(x) for x in latents], prompts)
+        rows.append({"stage": stage_dir.name, "checkpoint": str(loaded.checkpoint),
+                     "weights": loaded.weights, "steps": steps, "guidance": guidance,
+                     "nfe": counter.tokens / (len(prompts) * clip_tokens),
+                     "seconds_per_clip": seconds / len(prompts), **summary_scores(report)})
+    return rows
+
+
+def _synchronize(torch, device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def results_markdown(rows: list[dict]) -> str:
+    """The results table: one row per stage and step count, and each one's gap to the
+    teacher at its most steps."""
+    reference = max((r for r in rows if r["stage"] == "sft"), key=lambda r: r["steps"],
+                    default=None)
+    head = ["stage", "steps", "CFG", *ATTRIBUTES, "mean", "fidelity", "temporal", "NFE/clip",
+            "ms/clip", "mean vs teacher@max"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        gap = (r["mean_score"] - reference["mean_score"]) * 100 if reference else float("nan")
+        cells = [r["stage"], str(r["steps"]), f"{r['guidance']:g}",
+                 *(f"{r[f'{a}_accuracy']:.0%}" for a in ATTRIBUTES), f"{r['mean_score']:.1%}",
+                 f"{r['fidelity']:.3f}", f"{r['temporal_consistency']:.3f}", f"{r['nfe']:.1f}",
+                 f"{r['seconds_per_clip'] * 1e3:.1f}", f"{gap:+.1f} pt"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def versions(device: str) -> dict:
+    import torch
+
+    found = {"python": platform.python_version(), "torch": torch.__version__,
+             "cuda": torch.version.cuda, "machine": platform.node(), "device": device}
+    if device.startswith("cuda"):
+        found["gpu"] = torch.cuda.get_device_name(0)
+    return found
+
+
+def run(ns: argparse.Namespace) -> dict:
+    root = Path(ns.root).resolve()
+    pipeline = toy_pipeline(root) if ns.toy else Path(ns.pipeline)
+    if ns.train:
+        train(pipeline, root)
+    import torch
+
+    device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rows = []
+    for stage, steps_list in ROWS:
+        rows += evaluate_stage(root / stage, steps_list, captions=ns.captions, seed=ns.seed,
+                               device=device)
+    out = Path(ns.out) if ns.out else root / "quality"
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+              "pipeline": str(pipeline), "root": str(root), "captions": ns.captions,
+              "seed": ns.seed, "versions": versions(device), "rows": rows}
+    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    table = results_markdown(rows)
+    (out / "results.md").write_text(f"`{result['command']}` on {versions(device)}\n\n{table}")
+    print(table)
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="size the pipeline by arithmetic (no GPU)")
+    p.add_argument("--pipeline", default="config/pipeline/bench.yaml")
+    p.add_argument("--tflops", type=float, default=150.0,
+                   help="TFLOP/s a step achieves (bf16 on an H200; Wan-1.3B reaches ~505)")
+    p.add_argument("--pass-floor-ms", type=float, default=2.5,
+                   help="least time of one forward pass of one layer (launch-bound small models)")
+    p = sub.add_parser("run", help="evaluate (and with --train first train) a pipeline root")
+    p.add_argument("--root", required=True, help="the pipeline root holding sft/, stage1/, stage2/")
+    p.add_argument("--pipeline", default="config/pipeline/bench.yaml")
+    p.add_argument("--train", action="store_true", help="train the pipeline into ROOT first")
+    p.add_argument("--toy", action="store_true", help="a CPU-sized pipeline (smoke test)")
+    p.add_argument("--captions", type=int, default=64, help="evaluation captions (at most 64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--out", default=None, help="default: ROOT/quality")
+    ns = parser.parse_args(argv)
+    if ns.command == "plan":
+        print(plan_markdown(plan(ns.pipeline, ns.tflops, ns.pass_floor_ms / 1e3)), end="")
+    else:
+        run(ns)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""benchmarks/quality.py: the plan of bench.yaml, and the one command at its CPU toy size."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import quality  # noqa: E402
+
+
+def test_bench_pipeline_is_planned_at_about_half_an_hour_on_one_gpu():
+    found = quality.plan(str(REPO / "config/pipeline/bench.yaml"), 150.0, 2.5e-3)
+    stages = {s["stage"]: s for s in found["stages"]}
+    assert list(stages) == ["pretrain", "sft", "stage1", "stage2"]
+    assert 15 <= found["total_minutes"] <= 32, found["total_minutes"]
+    pretrain = stages["pretrain"]
+    assert pretrain["video_tokens"] == 16 * 8 * 8  # 16 frames of 32x32 in 4x4 patches
+    # An FM step is forward + backward over the batch: 3 forwards a clip.
+    assert pretrain["step_tflop"] * 1e12 == pytest.approx(3 * pretrain["forward_flops"] * 64)
+    # Stage1's forwards run over [clean | noisy]: more than twice a clip's forward each.
+    assert stages["stage1"]["flops_per_sample"] > 2 * 7 * pretrain["forward_flops"]
+
+
+def test_plan_prints_a_table_with_every_stage():
+    proc = subprocess.run([sys.executable, "benchmarks/quality.py", "plan"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert [line.split("|")[1].strip() for line in proc.stdout.splitlines()
+            if line.startswith("| ") and "---" not in line][1:] == [
+        "pretrain", "sft", "stage1", "stage2", "all"]
+
+
+@pytest.mark.timeout(900)
+def test_one_command_trains_the_toy_benchmark_and_writes_the_results_table(tmp_path):
+    root = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "benchmarks/quality.py", "run", "--train", "--toy",
+                           "--root", str(root), "--captions", "3"], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads((root / "quality" / "results.json").read_text())
+    rows = [(r["stage"], r["steps"]) for r in result["rows"]]
+    assert rows == [("sft", s) for s in (1, 2, 4, 8, 50)] + [
+        (stage, s) for stage in ("stage1", "stage2") for s in (1, 2, 4)]
+    for row in result["rows"]:
+        for key in ("colour_accuracy", "shape_accuracy", "direction_accuracy", "speed_accuracy",
+                    "count_accuracy", "mean_score", "fidelity", "temporal_consistency"):
+            assert 0.0 <= row[key] <= 1.0, (key, row)
+        assert row["seconds_per_clip"] > 0
+        # Function evaluations, counted at the model: the teacher's CFG pair is two a step;
+        # a causal student runs each chunk once per step plus once to commit it clean.
+        expected = 2 * row["steps"] if row["stage"] == "sft" else row["steps"] + 1
+        assert row["nfe"] == pytest.approx(expected), row
+    assert result["versions"]["torch"] and "quality.py" in result["command"]
+    table = (root / "quality" / "results.md").read_text()
+    assert table.count("| sft |") == 5 and table.count("| stage2 |") == 3
+    # relay eval of a benchmark checkpoint uses the benchmark's captions and checker.
+    relay = str(Path(sys.executable).with_name("relay"))
+    proc = subprocess.run([relay, "eval", "--checkpoint", str(root / "stage2"), "--steps", "1",
+                           "--out", str(tmp_path / "eval.json")], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "shape accuracy" in proc.stdout and "fidelity" in proc.stdout
+    assert json.loads((tmp_path / "eval.json").read_text())["num_clips"] == 64
+
+
+def test_the_toy_pipeline_keeps_the_bench_stage_configs(tmp_path):
+    import yaml
+
+    spec = yaml.safe_load(quality.toy_pipeline(tmp_path).read_text())
+    assert [Path(s["config"]).parent.name for s in spec["stages"].values()] == ["bench"] * 4
+    # Small overrides only: the objectives and the generator come from config/bench.
+    assert all("stage" not in s["overrides"] and "synthetic_generator" not in s["overrides"]
+               for s in spec["stages"].values())
