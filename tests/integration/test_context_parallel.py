@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from fixtures.fastvideo_t2v import write_fastvideo_dataset
