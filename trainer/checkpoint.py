@@ -563,7 +563,17 @@ class CheckpointManager:
             blocked = time.perf_counter() - started
             self.timings.append(SaveTiming(step, blocked, waited, blocked))
             return final
-        job.members = {name: self._stager.stage(state) for name, state in job.members.items()}
+        try:
+            job.members = {name: self._stager.stage(state) for name, state in job.members.items()}
+        except Exception as exc:
+            # torch 2.11's DefaultStager fails on some state dicts that 2.13's copies (KeyError:
+            # <class 'type'>, seen on an H200): the checkpoint is still written, synchronously.
+            log.warning("could not stage checkpoint-%d in host memory for a background save "
+                        "(%s: %s); saving it synchronously", step, type(exc).__name__, exc)
+            _write_and_commit(job)
+            blocked = time.perf_counter() - started
+            self.timings.append(SaveTiming(step, blocked, waited, blocked))
+            return final
         timing = SaveTiming(step, time.perf_counter() - started, waited)
 
         def write_in_background() -> Path:
