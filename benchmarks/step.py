@@ -419,18 +419,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-kernels", action="store_true", help="no attention kernel timing")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--activation-memory-budget", type=float, default=None,
-                        help="the compiled partitioner's activation_memory_budget (fraction of its "
-                             "default saved activations to keep) for both models; default: relay's "
-                             "own (trainer.model.ACTIVATION_MEMORY_BUDGET) and torch's 1.0 for Wan")
+                        help="the compile partitioner's activation_memory_budget (the fraction of "
+                             "its default saved activations to keep) for both models; default: "
+                             "relay's own, trainer.model.ACTIVATION_MEMORY_BUDGET")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
-    if args.activation_memory_budget is not None:
-        import torch._functorch.config as functorch_config
+    # One partitioner setting for both models (it is process-wide, and relay's compile sets its
+    # own), so their compiled steps are compared under the same recompute policy.
+    import torch._functorch.config as functorch_config
 
-        import trainer.model
+    import trainer.model
 
-        functorch_config.activation_memory_budget = args.activation_memory_budget
-        trainer.model.ACTIVATION_MEMORY_BUDGET = args.activation_memory_budget
+    if args.activation_memory_budget is None:
+        args.activation_memory_budget = trainer.model.ACTIVATION_MEMORY_BUDGET
+    functorch_config.activation_memory_budget = args.activation_memory_budget
+    trainer.model.ACTIVATION_MEMORY_BUDGET = args.activation_memory_budget
     args.profile = [p for p in args.profile.split(",") if p]
     runs = [r for r in args.runs.split(",") if r]
     for spec in runs + args.profile:
