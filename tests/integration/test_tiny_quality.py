@@ -3,8 +3,9 @@
 This is the slow test of the suite: it trains the shipped tiny configs unchanged (only the
 directories move into tmp) and scores the SFT checkpoint with `relay eval`, the same pixel
 detector users read, against the bar the embedded default promises (docs/training.md).
-About 5 minutes on two idle cores; a loaded machine was measured 2.8x slower (issue 14), so
-its timeout is three times that.
+About 5 minutes on two idle cores (estimated, docs/training.md); 21.7 minutes measured on the
+2-core VM with load average 3.6-6.2 (five engineers' jobs), so its timeout is three times
+that.
 """
 
 import json
@@ -21,12 +22,12 @@ RELAY = str(Path(sys.executable).with_name("relay"))
 def train(config: str, *extra: str) -> None:
     proc = subprocess.run([sys.executable, "trainer/train.py", "--config", config,
                            "--validation_interval", "-1", *extra],
-                          cwd=ROOT, capture_output=True, text=True, timeout=1800)
+                          cwd=ROOT, capture_output=True, text=True, timeout=2400)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3 * 2.8 * 5 * 60)
+@pytest.mark.timeout(3 * 22 * 60)
 def test_tiny_pretrain_then_sft_draw_the_right_colour_and_direction(tmp_path):
     pretrain, sft = tmp_path / "pretrain", tmp_path / "sft"
     train("config/tiny/pretrain.yaml", "--output_dir", str(pretrain),
