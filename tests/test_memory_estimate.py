@@ -81,14 +81,14 @@ def test_the_production_pretrain_fits_an_h200_and_a_longer_clip_is_refused_with_
     plan = describe_plan(args, 1920, 8)
     assert "world 1920 = dp_replicate 240 x dp_shard 8 x cp 1" in plan
     assert "= 1920 samples a step" in plan
-    longer = resolve_config(PRODUCTION, {"expected_latent_shape": [16, 21, 90, 160]},
+    longer = resolve_config(PRODUCTION, {"expected_latent_shape": [16, 41, 90, 160]},
                             world_size=1920, check_paths=False)
-    with pytest.raises(ConfigError) as err:  # 81 frames instead of 41: twice the activations
+    with pytest.raises(ConfigError) as err:  # 161 frames instead of 41: 3.7x the activations
         describe_plan(longer, 1920, 8)  # (the node size, and so the shard group, is known here)
     message = str(err.value)
     assert "does not fit the GPU" in message and "gpu_memory_gib is 141" in message
-    assert "activations: 75608 tokens per rank" in message  # the arithmetic is shown
-    assert "75600 video / cp 1 + 8 caption" in message
+    assert "activations: 147608 tokens per rank" in message  # the arithmetic is shown
+    assert "147600 video / cp 1 + 8 caption" in message
 
 
 def _dry_run(*extra: str, **env: str) -> subprocess.CompletedProcess:

@@ -17,12 +17,15 @@ What is counted, per rank (P = parameters of one model, S = ranks of a shard gro
   checkpointing adds each block's attention output (ATTENTION_BYTES, bf16: counted, not
   calibrated).
 
-The two activation constants are calibrated, not derived: they reproduce the step peaks
-measured on one H200 at the Wan-1.3B size (32,760 video tokens, batch 1, bf16, SDPA): 111 GiB
-without and 41 GiB with activation checkpointing (issue 15), taking relay's model at that size
-(hidden 1536, 30 blocks, ffn 8960, text_dim 4096: 1.55B parameters, AdamW) and 512 caption
-tokens. They are the figures to re-check when the model's forward changes: the GPU part of
-benchmarks/scaling.py is to compare them with a measured peak.
+The activation constants are calibrated, not derived, on the step peaks `benchmarks/step.py`
+measured on one H200 (compiled blocks, bf16, FA4, batch 1, AdamW, no EMA; docs/performance.md):
+without checkpointing, relay's model at hidden 1536 x 30 blocks (33,272 tokens) peaked at
+67.3 GiB, hidden 3072 x 8 (16,892) at 39.4 and hidden 5120 x 8 (8,702) at 60.0: 29.6, 38.5 and
+27.4 bytes per token x hidden per block after the states, so ACT_BYTES takes the largest. Under
+full checkpointing a block keeps its fp32 input (CKPT_BYTES = 4); the 1536 x 30 model then
+peaked at 26.0 GiB against ~32 estimated (its gradients are not all allocated at the peak,
+which the estimate does not model: it errs high). Selective: 26.8 measured, ~35 estimated.
+Re-check them when the model's forward or the compile settings change.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ import math
 
 GIB = 2**30
 TIME_FREQ_DIM = 256   # trainer.model.TIME_FREQ_DIM (the sinusoidal timestep features)
-ACT_BYTES = 60.0      # saved bytes per token x hidden_size per block, no checkpointing (bf16)
-CKPT_BYTES = 9.0      # kept per token x hidden_size per block under full checkpointing
+ACT_BYTES = 39.0      # saved bytes per token x hidden_size per block, no checkpointing (bf16)
+CKPT_BYTES = 4.0      # kept per token x hidden_size per block under full checkpointing
 ATTENTION_BYTES = 2.0  # selective checkpointing also keeps each block's bf16 attention output
 OVERHEAD_GIB = 2.0    # CUDA context, allocator fragmentation, communication buffers
 
