@@ -108,6 +108,11 @@ def run(args: ResolvedArgs) -> int:
                 log.error("could not write %s: %s", out / "run-result.json", exc)
         if lock is not None:
             lock.release()
+        if result["status"] in ("completed", "preempted"):
+            # Every rank ends together: one that tore its process groups down while another
+            # still used them aborted at exit ("terminate called without an active
+            # exception", seen on cp ranks with gloo).
+            barrier()
         destroy()
 
 
