@@ -5,9 +5,6 @@ save_pretrained into a temp directory, so the real loading code runs on small da
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,14 +18,13 @@ imageio = pytest.importorskip("imageio.v3")
 
 from fixtures.fastvideo_t2v import write_fastvideo_dataset
 from fixtures.tiny_encoders import save_text_encoder, save_vae
+from test_data_train import MODEL, _losses, _train
 
 from trainer.args import resolve_args
 from trainer.data.formats import TEXT_COLUMNS
 from trainer.schema import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = ("{hidden_size: 16, num_attention_heads: 2, num_layers: 1, rope_axes_dim: [2, 2, 4], "
-         "text_dim: 8, patch_size: [1, 2, 2], in_channels: 4}")
 
 
 def drop_caption_embeddings(source: Path, target: Path) -> Path:
@@ -61,32 +57,12 @@ def datasets(tmp_path_factory):
     return full, drop_caption_embeddings(full, root / "captions-only")
 
 
-def _train(out: Path, max_steps: int, *extra: str) -> None:
-    command = [sys.executable, str(ROOT / "trainer" / "train.py"),
-               "--config", str(ROOT / "config" / "tiny" / "pretrain.yaml"),
-               "--transformer_config_overrides", MODEL, "--synthetic_data", "false",
-               "--output_dir", str(out), "--max_steps", str(max_steps),
-               "--packing_token_budget", "60", "--warmup_steps", "2", "--log_interval", "1",
-               "--save_interval", "2", "--validation_interval", "-1", "--deterministic", "true",
-               *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
-        env.pop(key, None)
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-
-def _losses(out: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records}
-
-
 def test_validation_decodes_samples_through_the_vae_into_mp4(models, datasets, tmp_path):
     vae, text = models
     out = tmp_path / "run"
-    _train(out, 2, "--data_path", str(datasets[0]), "--vae_path", str(vae), "--text_encoder",
-           str(text), "--validation_interval", "2", "--validation_num_captions", "2",
-           "--validation_steps", "2")
+    _train(datasets[0], out, 2, "--packed_dataloader_num_workers", "0", "--vae_path", str(vae),
+           "--text_encoder", str(text), "--validation_interval", "2",
+           "--validation_num_captions", "2", "--validation_steps", "2")
     config = json.loads((vae / "config.json").read_text())
     temporal, spatial = config["scale_factor_temporal"], config["scale_factor_spatial"]
     # The data's first sample (the shape validation samples) is a [4, 3, 4, 6] latent.
@@ -102,11 +78,10 @@ def test_validation_decodes_samples_through_the_vae_into_mp4(models, datasets, t
 def test_captions_without_embeddings_are_encoded_and_the_run_resumes_exactly(models, datasets,
                                                                               tmp_path):
     _, text = models
-    data = ("--data_path", str(datasets[1]), "--text_encoder", str(text),
-            "--packed_dataloader_num_workers", "2")
-    _train(tmp_path / "reference", 6, *data)
-    _train(tmp_path / "resumed", 4, *data)
-    _train(tmp_path / "resumed", 6, *data)
+    encoder = ("--text_encoder", str(text))  # and 2 loader workers, as _train runs them
+    _train(datasets[1], tmp_path / "reference", 6, *encoder)
+    _train(datasets[1], tmp_path / "resumed", 4, *encoder)
+    _train(datasets[1], tmp_path / "resumed", 6, *encoder)
     reference, resumed = _losses(tmp_path / "reference"), _losses(tmp_path / "resumed")
     assert sorted(reference) == list(range(1, 7)) and all(map(math.isfinite, reference.values()))
     assert [resumed[s] for s in (5, 6)] == [reference[s] for s in (5, 6)]

@@ -189,10 +189,7 @@ def _validate_text_encoder(args: ResolvedArgs) -> None:
     _check(config.is_file(),
            f"`text_encoder` is {args.text_encoder!r}: neither 'standin' nor a directory holding a "
            f"transformers encoder (config.json). Point it at the encoder's local directory.")
-    try:
-        settings = json.loads(config.read_text())
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"`text_encoder`: {config} is not readable JSON ({error}).") from None
+    settings = _read_json("text_encoder", config)
     width = settings.get("hidden_size", settings.get("d_model"))
     text_dim = model_config(args)["text_dim"]
     _check(width == text_dim,
@@ -204,6 +201,14 @@ def _validate_text_encoder(args: ResolvedArgs) -> None:
            f"must be below the encoder's {layers} layers.")
 
 
+def _read_json(key: str, path: Path) -> dict:
+    """The JSON config a directory key points at; a ConfigError naming the key if unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"`{key}`: {path} is not readable JSON ({error}).") from None
+
+
 def _validate_vae(args: ResolvedArgs) -> None:
     """vae_path, when set: a diffusers AutoencoderKLWan directory whose latents the model takes."""
     if args.vae_path is None:
@@ -213,10 +218,7 @@ def _validate_vae(args: ResolvedArgs) -> None:
     _check(config.is_file(),
            f"`vae_path` {directory} holds no config.json. Point it at a diffusers "
            f"AutoencoderKLWan directory as save_pretrained writes it (a Wan checkpoint's vae/).")
-    try:
-        settings = json.loads(config.read_text())
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"`vae_path`: {config} is not readable JSON ({error}).") from None
+    settings = _read_json("vae_path", config)
     kind = settings.get("_class_name", "AutoencoderKLWan")
     _check(kind == "AutoencoderKLWan",
            f"`vae_path` {directory} holds a {kind}; validation decodes with an AutoencoderKLWan.")

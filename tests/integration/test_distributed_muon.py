@@ -5,26 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _pythonpath() -> str:
-    """This checkout first, then whatever the caller's environment already had."""
-    return os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
+from test_distributed_fsdp import REPO, _free_port, _pythonpath
 
 @pytest.mark.parametrize("ranks, replicas", [(2, 1), (4, 2)])
 def test_sharded_muon_matches_unsharded_and_splits_the_matrices(tmp_path, ranks, replicas):
