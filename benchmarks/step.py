@@ -430,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import trainer.model
 
+    if args.activation_memory_budget is not None and not 0 <= args.activation_memory_budget <= 1:
+        parser.error(f"--activation-memory-budget {args.activation_memory_budget}: a fraction "
+                     "from 0 (recompute everything) to 1 (torch's default)")
     if args.activation_memory_budget is None:
         args.activation_memory_budget = trainer.model.ACTIVATION_MEMORY_BUDGET
     functorch_config.activation_memory_budget = args.activation_memory_budget
