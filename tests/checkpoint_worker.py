@@ -119,6 +119,7 @@ def main() -> None:
             load_warm_start(out / source, fresh, weights="live")
             result[f"warm_start_from_{source}"] = full_weights(fresh)
     (out / f"result-{phase}-{rank}.json").write_text(json.dumps(result))
+    dist.barrier()  # ranks tearing down gloo groups at different times aborted at exit
     dist.destroy_process_group()
 
 
