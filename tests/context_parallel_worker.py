@@ -105,6 +105,7 @@ def main(out: Path) -> None:
     except ValueError as exc:
         results["refused"] = str(exc)
     (out / f"{dist.get_rank()}.json").write_text(json.dumps(results))
+    dist.barrier()  # ranks tearing down gloo groups at different times aborted at exit
     dist.destroy_process_group()
 
 

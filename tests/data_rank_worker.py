@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.args import resolve_args
 from trainer.build import build_data
-from trainer.distributed import broadcast_from_rank0, init_distributed
+from trainer.distributed import barrier, broadcast_from_rank0, destroy, init_distributed
 
 
 def main() -> None:
@@ -41,6 +41,8 @@ def main() -> None:
         seen.extend(iterator.next_batch()["sample_index"].tolist())
     (out / f"rank-{topo.rank}.json").write_text(json.dumps({"dp_rank": topo.dp_rank, "seen": seen,
                                                               "reads": reader is not None}))
+    barrier()  # a rank that exits without tearing gloo down, or before the others, aborts
+    destroy()
 
 
 if __name__ == "__main__":
