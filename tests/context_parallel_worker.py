@@ -1,8 +1,11 @@
 """One rank of tests/integration/test_context_parallel.py's model checks: every forward of the
-DiT with its video tokens split over a cp group of all ranks, against the same model unsplit
-on the same inputs. Writes <out>/<rank>.json: the largest output and gradient differences of
-each case (gradients: the group's sum over size, see trainer.context_parallel), and the
-message of a split that must be refused."""
+DiT with its video and caption tokens split over a cp group of all ranks, against the same
+model unsplit on the same inputs. Captions of 5 tokens (one of them padded to 3) and a pack of
+3 + 5 + 3 caption tokens: no count divides by 2 or 4. Writes <out>/<rank>.json: the largest
+output and gradient differences of each case (gradients: the group's sum over size, see
+trainer.context_parallel), the caption tokens a block's text stream held in each model, how
+much the output moves when one rank's share of the caption changes, the heads a rollout's
+caption cache keeps, and the message of a split that must be refused."""
 
 from __future__ import annotations
 
@@ -35,12 +38,22 @@ def inputs(batch=2, frames=4, size=4, text=5, seed=1):
     return x, caption, mask
 
 
+def text_tokens_seen(m: VideoDiT) -> list[int]:
+    """Records the caption tokens the first block's text stream gets, call by call."""
+    seen: list[int] = []
+    m.blocks[0].register_forward_pre_hook(
+        lambda block, args: seen.append(args[0].shape[1]) if args[0] is not None else None)
+    return seen
+
+
 def compare(name: str, build, run, results: dict) -> None:
     """run(model) -> output tensor (the loss is its sum of squares, gradients compared too)."""
     reference, split = build(), build()
     attach(split, dist.group.WORLD, dist.get_world_size(), dist.get_rank())
+    whole, share = text_tokens_seen(reference), text_tokens_seen(split)
     want, got = run(reference), run(split)
-    entry = {"out": float((want - got).detach().abs().max())}
+    entry = {"out": float((want - got).detach().abs().max()),
+             "text_tokens": {"whole": sorted(set(whole)), "split": sorted(set(share))}}
     if want.requires_grad:
         want.square().sum().backward()
         got.square().sum().backward()
@@ -57,10 +70,14 @@ def compare(name: str, build, run, results: dict) -> None:
     results[name] = entry
 
 
+CACHED_TEXT = {}  # [caption keys, heads] of a rollout's cached caption K/V, by "whole" / "split"
+
+
 def rollout(m: VideoDiT, caption, mask, x) -> torch.Tensor:
     """Two chunks of a KV-cached rollout: predict, commit, predict the next."""
     with torch.no_grad():
         cache = m.new_kv_cache(caption, mask)
+        CACHED_TEXT["whole" if m.ulysses is None else "split"] = list(cache.text_kv[0][0].shape[1:3])
         first = m.forward_chunk(x[:, :, :2], torch.tensor([700.0, 300.0]), cache, 0)
         m.commit_chunk(x[:, :, :2], cache, 0)
         second = m.forward_chunk(x[:, :, 2:], torch.full((2, 2), 500.0).double(), cache, 2)
@@ -72,11 +89,26 @@ def packed(m: VideoDiT) -> torch.Tensor:
     # 16 + 1 + 4 = 21 video tokens: the pack is padded to split over 2 (and 4) ranks.
     xs = [torch.randn(3, s[0], s[1], s[2], generator=g, dtype=torch.float64)
           for s in ((4, 4, 4), (1, 2, 2), (1, 4, 4))]
-    texts = [torch.randn(n, 16, generator=g, dtype=torch.float64) for n in (3, 5, 2)]
-    masks = [torch.ones(n, dtype=torch.bool) for n in (3, 5, 2)]
+    texts = [torch.randn(n, 16, generator=g, dtype=torch.float64) for n in (3, 5, 3)]
+    masks = [torch.ones(n, dtype=torch.bool) for n in (3, 5, 3)]
     masks[1][4:] = False
     ts = [torch.tensor(400.0), torch.tensor(900.0), torch.tensor([0.0])]
     return torch.cat([p.flatten() for p in m.forward_packed(xs, ts, texts, masks)])
+
+
+def caption_sensitivity(x, caption, mask) -> list[float]:
+    """For each cp rank, the largest change of the unsplit model's output when the caption
+    tokens that rank holds (j % size == rank) change: large, or the comparisons above could
+    not see a rank's caption share going wrong."""
+    m, t = model(), torch.tensor([300.0, 900.0])
+    with torch.no_grad():
+        base = m(x, t, caption, mask)
+        moves = []
+        for rank in range(dist.get_world_size()):
+            changed = caption.clone()
+            changed[:, rank::dist.get_world_size()] += 1.0
+            moves.append(float((m(x, t, changed, mask) - base).abs().max()))
+    return moves
 
 
 def main(out: Path) -> None:
@@ -97,6 +129,8 @@ def main(out: Path) -> None:
     compare("kv_rollout", lambda: model(causal_chunk_size=2),
             lambda m: rollout(m, caption, mask, x), results)
     compare("packed", model, packed, results)
+    results["cached_text"] = CACHED_TEXT
+    results["caption_share_moves_output"] = caption_sensitivity(x, caption, mask)
     odd = model()
     attach(odd, dist.group.WORLD, dist.get_world_size(), dist.get_rank())
     try:  # 3 x 3 tokens a frame do not split over 2 or 4 ranks

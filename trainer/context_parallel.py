@@ -54,7 +54,6 @@ class Ulysses:
         if num_heads % size:
             raise ValueError(f"num_attention_heads {num_heads} is not divisible by cp_size {size}")
         self.group, self.size, self.rank = group, size, rank
-        self.heads = slice(rank * num_heads // size, (rank + 1) * num_heads // size)
 
     def padding(self, num_tokens: int) -> int:
         """Tokens to add so that num_tokens splits evenly over the group."""
@@ -76,16 +75,31 @@ class Ulysses:
                 f"time do not split over cp_size {self.size}; the tokens of one latent frame "
                 f"must divide by cp_size (pick a cp_size that divides them, or another "
                 f"resolution or patch size)")
-        mine = slice(self.rank, None, self.size)
         if run == 1 and slots is not None:
-            slots = slots[mine]  # per-token slots follow their tokens
+            slots = self.share(slots[None])[0]  # per-token slots follow their tokens
         elif run == 1:
-            slots = torch.arange(groups, device=vid.device)[mine]
-        return vid[:, mine], slots, positions[mine]
+            slots = self.share(torch.arange(groups, device=vid.device)[None])[0]
+        return self.share(vid), slots, self.share(positions[None])[0]
 
-    def local_heads(self, kv: tuple[torch.Tensor, torch.Tensor]):
-        """This rank's head group of whole-sequence keys and values [B, L, heads, head_dim]."""
-        return kv[0][:, :, self.heads], kv[1][:, :, self.heads]
+    def share(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of x [B, N, ...]: tokens rank, rank + size, ... (N % size == 0)."""
+        return x[:, self.rank::self.size]
+
+    def pad_caption(self, text: torch.Tensor, mask: torch.Tensor | None):
+        """A caption [B, L, C] and its mask (bool [B, L], None: all real) padded at the end
+        with masked zero tokens to a multiple of size: (text [B, L', C], mask or None).
+
+        The mask stays None only when nothing is padded. The padding is never a key: padded
+        keys sit after the real ones, so attention sees them as a shorter caption length.
+        """
+        b, length, _ = text.shape
+        pad = self.padding(length)
+        if not pad:
+            return text, mask
+        if mask is None:
+            mask = torch.ones(b, length, dtype=torch.bool, device=text.device)
+        return (torch.cat([text, text.new_zeros(b, pad, text.shape[2])], dim=1),
+                torch.cat([mask, mask.new_zeros(b, pad)], dim=1))
 
     def to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """Local tokens with every head [B, n, H, d] -> every token, this rank's heads

@@ -18,7 +18,9 @@ giving them position 0.
 
 Attention runs in two calls per block, text over text and video over [video | text], instead of
 one call with a joint mask. The video call then needs no mask at all in the bidirectional case,
-and under context parallelism the text stream can stay replicated while video tokens are split.
+and under context parallelism each call trades tokens for heads on its own stream: the caption's
+and the video's tokens are both split over the ranks, and the text K/V in head space is the
+prefix of the video's keys.
 The caption's keys come last, so its padding is a number of used keys per sample (a sequence
 length for FlashAttention), never a dense mask; a mask that hides nothing is dropped before
 attention. trainer/attention.py routes each call to its kernel.
@@ -36,14 +38,15 @@ broadcast over the run, never copied per token; per-frame times that are all equ
 per-sample path. A split of the token sequence across ranks must cut at run boundaries:
 under context parallel (`ulysses`, set by trainer.context_parallel.attach) each rank holds a
 strided share of the video tokens, which keeps a run's boundaries when cp_size divides its
-length; attention then runs over the whole sequence for the rank's heads.
+length, and a strided share of the caption's (padded with masked tokens to a multiple of
+cp_size); attention then runs over the whole sequence for the rank's heads.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -207,11 +210,22 @@ class DiTBlock(nn.Module):
 
         plan: the text-over-text attention plan; k, v: [B, L, heads, head_dim]. need_output=False
         skips the residual updates (the last block's text output is never read).
+
+        Under context parallel (self.ulysses) txt holds this rank's share of the caption's
+        tokens and attention runs in head space, as the video's does; the returned k, v are
+        then the whole caption for this rank's heads: the prefix of its video attention.
         """
         q, k, v = self._qkv(self.norm1(txt))
+        if self.ulysses is not None:
+            k, v = self.ulysses.to_heads(k), self.ulysses.to_heads(v)
         if not need_output:
             return None, k, v
-        txt = txt + self.proj(attend(plan, q, k, v).flatten(-2))
+        if self.ulysses is not None:
+            q = self.ulysses.to_heads(q)
+        out = attend(plan, q, k, v)
+        if self.ulysses is not None:
+            out = self.ulysses.to_tokens(out)
+        txt = txt + self.proj(out.flatten(-2))
         txt = txt + self.mlp(self.norm2(txt))
         return txt, k, v
 
@@ -225,8 +239,9 @@ class DiTBlock(nn.Module):
         attention plan for N queries over N + P keys.
 
         Under context parallel (self.ulysses) vid holds this rank's share of the tokens and
-        attention runs in head space: every token, this rank's heads (the prefix comes with
-        those heads only); the returned k, v are then in head space too (a rollout caches them).
+        attention runs in head space: every token, this rank's heads (the prefix, text K/V
+        from forward_text or a cache, is in head space already); the returned k, v are then in
+        head space too (a rollout caches them).
         """
         groups = mod.shape[1]
         shift1, scale1, gate1, shift2, scale2, gate2 = mod[:, :, None].chunk(6, dim=-1)
@@ -265,11 +280,29 @@ class DiTBlock(nn.Module):
             prefix = past_kv if past_kv is not None else text_kv
             if prefix is None:
                 raise ValueError("the video stream needs a key prefix: text tokens or a cache")
-            if past_kv is None and self.ulysses is not None:
-                prefix = self.ulysses.local_heads(prefix)  # a cache holds local heads already
             vid, k, v = self.forward_video(vid, mod, rope, prefix[0], prefix[1], video_plan)
             video_kv = (k, v)
         return BlockOutput(txt, vid, text_kv, video_kv)
+
+
+class Caption(NamedTuple):
+    """A caption as the blocks take it (VideoDiT._with_text, VideoDiT._run_pack)."""
+
+    tokens: torch.Tensor  # embedded [B, L, D]; under context parallel this rank's share
+    plan: AttentionPlan  # text over text, over all `length` tokens
+    lengths: torch.Tensor | None  # real tokens per sample, long [B]; None when none is padded
+    length: int  # caption keys the video attends to (under cp: padded to a multiple of cp_size)
+
+
+def _pad_last_caption(texts: list[torch.Tensor], text_masks: list[torch.Tensor], layout, pad: int):
+    """A pack's captions [L_i, text_dim] and masks [L_i] with `pad` masked zero tokens after the
+    last caption, and the layout that counts them: (texts, text_masks, layout). Masked tokens
+    are never keys, so every sample's result stays the same."""
+    last, last_mask = texts[-1], text_masks[-1]
+    texts = [*texts[:-1], torch.cat([last, last.new_zeros(pad, last.shape[1])])]
+    text_masks = [*text_masks[:-1], torch.cat([last_mask, last_mask.new_zeros(pad)])]
+    return texts, text_masks, replace(layout, text_lens=(*layout.text_lens[:-1],
+                                                         layout.text_lens[-1] + pad))
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,8 +314,8 @@ class KVCache:
     """Keys/values a causal rollout reuses: the caption's, and those of committed chunks.
 
     text_kv[layer] = (k, v) [B, L, heads, head_dim] (under context parallel: this rank's head
-    group, and the chunks' K/V over the whole chunk); text_lengths: int [B] real caption tokens,
-    or None when no caption is padded; chunks[i][layer] = (k, v) of the i-th kept committed
+    group over the whole caption, padded to a multiple of cp_size, and the chunks' K/V over the
+    whole chunk); text_lengths: int [B] real caption tokens, or None when no caption is padded; chunks[i][layer] = (k, v) of the i-th kept committed
     chunk (oldest first, detached, RoPE applied at absolute positions); next_frame is the
     latent frame where the next chunk starts. Built by VideoDiT.new_kv_cache.
     """
@@ -486,19 +519,19 @@ class VideoDiT(nn.Module):
 
     # ---- the two streams -------------------------------------------------------------------
 
-    def _run(self, vid, cond, slot_of_group, positions, video_plan, text=None, past=None,
+    def _run(self, vid, cond, slot_of_group, positions, video_plan, caption=None, past=None,
              collect_kv=False):
         """Runs the blocks and the head over video tokens [B, N, D].
 
         cond: [B, S, D] conditioning slots; the tokens form G equal runs, run g modulated by slot
         slot_of_group[g] (None: G = S, run g by slot g). The prefix each block's video attends
-        to is either the caption, run alongside (text = (tokens, text plan)), or past[layer] =
-        cached (k, v). Returns (head output tokens [B, N, patch values], per-layer detached
+        to is either the caption (a Caption), run alongside, or past[layer] = cached (k, v). Returns (head output tokens [B, N, patch values], per-layer detached
         video (k, v) if collect_kv else []).
 
         Under context parallel the blocks run on this rank's strided share of the tokens (their
-        positions and modulation runs with them; trainer.context_parallel) and the output is
-        gathered back into the whole sequence; collected (k, v) are this rank's heads of it.
+        positions and modulation runs with them; trainer.context_parallel; the caption comes
+        split already) and the output is gathered back into the whole sequence; collected
+        (k, v) are this rank's heads of it.
         """
         if self.ulysses is not None:
             groups = cond.shape[1] if slot_of_group is None else slot_of_group.shape[0]
@@ -507,7 +540,7 @@ class VideoDiT(nn.Module):
         work = torch.float64 if self._compute_dtype(vid.device) == torch.float64 else torch.float32
         rope = rope_tables(positions, self.cfg.rope_axes_dim, self.cfg.rope_theta, dtype=work)
         cond = F.silu(cond)
-        txt, text_plan = text if text is not None else (None, None)
+        txt, text_plan = (caption.tokens, caption.plan) if caption is not None else (None, None)
         collected = []
         for i, block in enumerate(self.blocks):
             mod = block.modulation(cond)
@@ -533,10 +566,18 @@ class VideoDiT(nn.Module):
             raise ValueError("this needs a causal model: set causal_chunk_size in the model config")
         return self.cfg.causal_chunk_size // self.cfg.patch_size[0]
 
-    def _with_text(self, text: torch.Tensor, text_mask: torch.Tensor | None):
-        """(caption tokens, text plan, text lengths or None) for a forward that runs the caption."""
+    def _with_text(self, text: torch.Tensor, text_mask: torch.Tensor | None) -> Caption:
+        """The caption [B, L, text_dim] ready for the blocks of a forward that runs it.
+
+        Under context parallel it is padded with masked tokens to a multiple of cp_size and this
+        rank embeds only its share (token j on cp rank j % cp_size), as its blocks run it.
+        """
+        if self.ulysses is not None:
+            text, text_mask = self.ulysses.pad_caption(text, text_mask)
         lengths = text_lengths_of(text_mask)
-        return self.text_embedder(text), self._text_plan(lengths, text.shape[1], text.device), lengths
+        tokens = text if self.ulysses is None else self.ulysses.share(text)
+        return Caption(self.text_embedder(tokens), self._text_plan(lengths, text.shape[1], text.device),
+                       lengths, text.shape[1])
 
     # ---- public forwards -------------------------------------------------------------------
 
@@ -558,17 +599,17 @@ class VideoDiT(nn.Module):
         tokens_per_frame = grid[1] * grid[2]
         if causal is None:
             causal = self.cfg.causal_chunk_size is not None
+        caption = self._with_text(text, text_mask)
         layout = None
         if causal:
             layout = ChunkLayout("block_causal", grid[0], tokens_per_frame, self._chunk_frames(),
-                                 self.cfg.attn_window_chunks, text.shape[1])
+                                 self.cfg.attn_window_chunks, caption.length)
         cond = self._conditioning(t, r, b, frames, x.device)
         vid = self._patchify(x)
-        txt, text_plan, lengths = self._with_text(text, text_mask)
-        n, length = vid.shape[1], text.shape[1]
-        plan = self._video_plan(n, n + length, length, lengths, x.device, layout)
-        out, _ = self._run(vid, cond, None, grid_positions(*grid, 0, x.device), plan,
-                           text=(txt, text_plan))
+        n = vid.shape[1]
+        plan = self._video_plan(n, n + caption.length, caption.length, caption.lengths, x.device,
+                                layout)
+        out, _ = self._run(vid, cond, None, grid_positions(*grid, 0, x.device), plan, caption)
         return self._unpatchify(out, frames, h, w)
 
     def forward_packed(self, xs: list[torch.Tensor], ts: list[Any], texts: list[torch.Tensor],
@@ -658,11 +699,15 @@ class VideoDiT(nn.Module):
             vid = torch.cat([vid, vid.new_zeros(1, pad, vid.shape[2])], dim=1)
             positions = torch.cat([positions, positions.new_zeros(pad, 3)])
             slots = torch.cat([slots, slots.new_zeros(pad)])
-        text = self.text_embedder(torch.cat(texts)[None])
+        text_pad = 0 if self.ulysses is None else self.ulysses.padding(sum(layout.text_lens))
+        if text_pad:  # the captions split evenly too: the last one takes masked tokens
+            texts, text_masks, layout = _pad_last_caption(texts, text_masks, layout, text_pad)
+        text = torch.cat(texts)[None]
         video_plan, text_plan = self._packed_plans(layout, text_masks, text.shape[1], pad, within)
+        tokens = text if self.ulysses is None else self.ulysses.share(text)
+        caption = Caption(self.text_embedder(tokens), text_plan, None, text.shape[1])
         # One modulation slot per token (runs of one token): samples' token counts differ.
-        out, _ = self._run(vid, torch.cat(conds, dim=1), slots, positions, video_plan,
-                           text=(text, text_plan))
+        out, _ = self._run(vid, torch.cat(conds, dim=1), slots, positions, video_plan, caption)
         return out[:, :sum(layout.video_lens)].split(layout.video_lens, dim=1)
 
     def _packed_plans(self, layout, text_masks: list[torch.Tensor], captions: int, padding: int,
@@ -718,13 +763,13 @@ class VideoDiT(nn.Module):
                                torch.arange(1, grid[0] + 1)]).to(noisy.device)
         positions = grid_positions(*grid, 0, noisy.device)
         vid = torch.cat([self._patchify(clean), self._patchify(noisy)], dim=1)
+        caption = self._with_text(text, text_mask)
         layout = ChunkLayout("teacher_forcing", grid[0], tokens_per_frame, chunk,
-                             self.cfg.attn_window_chunks, text.shape[1])
-        txt, text_plan, lengths = self._with_text(text, text_mask)
-        n, length = vid.shape[1], text.shape[1]
-        plan = self._video_plan(n, n + length, length, lengths, noisy.device, layout)
-        out, _ = self._run(vid, cond, slots, torch.cat([positions, positions]), plan,
-                           text=(txt, text_plan))
+                             self.cfg.attn_window_chunks, caption.length)
+        n = vid.shape[1]
+        plan = self._video_plan(n, n + caption.length, caption.length, caption.lengths,
+                                noisy.device, layout)
+        out, _ = self._run(vid, cond, slots, torch.cat([positions, positions]), plan, caption)
         n_video = n // 2
         noisy_pred = self._unpatchify(out[:, n_video:], frames, h, w)
         if return_clean:
@@ -739,14 +784,15 @@ class VideoDiT(nn.Module):
         """
         self._chunk_frames()
         self._check_text(text, text_mask, text.shape[0])
-        txt, text_plan, lengths = self._with_text(text, text_mask)
-        text_kv = []
+        caption = self._with_text(text, text_mask)
+        txt, text_kv = caption.tokens, []
         for i, block in enumerate(self.blocks):
-            out = block(txt, None, text_plan=text_plan, need_text_output=i + 1 < len(self.blocks))
+            out = block(txt, None, text_plan=caption.plan,
+                        need_text_output=i + 1 < len(self.blocks))
             txt = out.txt
-            # Under context parallel a rank attends with its head group only: cache just that.
-            text_kv.append(out.text_kv if self.ulysses is None else self.ulysses.local_heads(out.text_kv))
-        return KVCache(text_kv=text_kv, text_lengths=lengths, chunks=[])
+            # Under context parallel these are this rank's heads only (forward_text).
+            text_kv.append(out.text_kv)
+        return KVCache(text_kv=text_kv, text_lengths=caption.lengths, chunks=[])
 
     def _check_chunk(self, x: torch.Tensor, cache: KVCache, frame_start: int, name: str):
         chunk_latent = self.cfg.causal_chunk_size

@@ -1,7 +1,8 @@
 """Ulysses context parallel (cp_size > 1): real ranks under torchrun (gloo, CPU), nothing mocked.
 
-First the model alone (tests/context_parallel_worker.py): every forward, its video tokens split
-over 2 and 4 ranks, against the same model unsplit. Then train.py: the same global batch of
+First the model alone (tests/context_parallel_worker.py): every forward, its video and caption
+tokens split over 2 and 4 ranks (captions of 5 tokens, a pack's of 11: padded to split),
+against the same model unsplit. Then train.py: the same global batch of
 8 samples on one process, on one cp group of 2 and on dp 2 x cp 2 must log the same losses and
 gradient norms (the draws are keyed by sample, cp rank 0 reads and shares the batch, the
 gathered output feeds the unchanged losses); the same for Stage1 (block-causal teacher forcing),
@@ -12,6 +13,7 @@ process on the same trajectory; a split that cannot work is refused before a mod
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -35,12 +37,23 @@ def test_every_forward_of_the_model_matches_the_unsplit_model(tmp_path, ranks):
         result = json.loads((tmp_path / f"{rank}.json").read_text())
         refusal = result.pop("refused")
         assert refusal and "runs of 9 tokens" in refusal and f"cp_size {ranks}" in refusal
+        # Every rank's share of the caption moves the output a million times the tolerance
+        # below, so a share that went wrong would show.
+        assert min(result.pop("caption_share_moves_output")) > 1e-6
+        # A rollout caches the whole caption (padded to a multiple of ranks: 6 or 8 keys) for
+        # this rank's heads only (4 heads in all).
+        padded = math.ceil(5 / ranks) * ranks
+        assert result.pop("cached_text") == {"whole": [5, 4], "split": [padded, 4 // ranks]}
         assert set(result) == {"bidirectional", "per_frame_times", "block_causal",
                                "teacher_forcing", "kv_rollout", "packed"}
         for case, diff in result.items():  # float64: only the order of sums differs
             assert diff["out"] < 1e-12, (case, diff)
             if "grad" in diff:
                 assert diff["grad"] < 1e-12 * diff["grad_scale"], (case, diff)
+            # A block's text stream holds ceil(L / size) of the caption's L tokens per rank.
+            length = 11 if case == "packed" else 5
+            assert diff["text_tokens"] == {"whole": [length],
+                                           "split": [math.ceil(length / ranks)]}, case
 
 
 @pytest.fixture(scope="module")
