@@ -77,7 +77,8 @@ def rollout(m: VideoDiT, caption, mask, x) -> torch.Tensor:
     """Two chunks of a KV-cached rollout: predict, commit, predict the next."""
     with torch.no_grad():
         cache = m.new_kv_cache(caption, mask)
-        CACHED_TEXT["whole" if m.ulysses is None else "split"] = list(cache.text_kv[0][0].shape[1:3])
+        keys = cache.text_kv[0][0]
+        CACHED_TEXT["whole" if m.ulysses is None else "split"] = list(keys.shape[1:3])
         first = m.forward_chunk(x[:, :, :2], torch.tensor([700.0, 300.0]), cache, 0)
         m.commit_chunk(x[:, :, :2], cache, 0)
         second = m.forward_chunk(x[:, :, 2:], torch.full((2, 2), 500.0).double(), cache, 2)

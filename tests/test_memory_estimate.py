@@ -61,7 +61,7 @@ def test_bad_splits_are_refused_with_the_arithmetic(world, kwargs, says):
         plan_mesh(world, ranks_per_node=8, **kwargs)
 
 
-def test_sharding_divides_the_states_and_cp_the_activations():
+def test_sharding_divides_the_states_and_cp_the_activations_of_video_and_caption():
     cfg = resolve_config(PRODUCTION, {}, check_paths=False)
     from trainer.schema import model_config
 
@@ -70,7 +70,12 @@ def test_sharding_divides_the_states_and_cp_the_activations():
     one = estimate_memory(model_config(cfg), shard_group=1, cp=1, **common)
     eight = estimate_memory(model_config(cfg), shard_group=8, cp=2, **common)
     assert eight.states_gib == pytest.approx(one.states_gib / 8)
-    assert eight.activations_gib == pytest.approx(one.activations_gib * (37800 + 512) / 76112)
+    assert eight.activations_gib == pytest.approx(one.activations_gib * (37800 + 256) / 76112)
+    # A caption that 4 ranks split only once padded: 513 tokens take 129 a rank.
+    four = estimate_memory(model_config(cfg), shard_group=8, cp=4,
+                           **{**common, "text_tokens": 513})
+    assert four.activations_gib == pytest.approx(one.activations_gib * (18900 + 129) / 76112)
+    assert "19029 tokens per rank (batch 1 x (75600 video + 513 caption) / cp 4)" in four.describe()
     no_ckpt = estimate_memory(model_config(cfg), shard_group=1, cp=1,
                               **{**common, "checkpointing": False})
     assert no_ckpt.activations_gib > 5 * one.activations_gib
@@ -88,7 +93,7 @@ def test_the_production_pretrain_fits_an_h200_and_a_longer_clip_is_refused_with_
     message = str(err.value)
     assert "does not fit the GPU" in message and "gpu_memory_gib is 141" in message
     assert "activations: 147608 tokens per rank" in message  # the arithmetic is shown
-    assert "147600 video / cp 1 + 8 caption" in message
+    assert "(147600 video + 8 caption) / cp 1" in message
 
 
 def _dry_run(*extra: str, **env: str) -> subprocess.CompletedProcess:

@@ -1,24 +1,31 @@
-"""Ulysses context parallel: the video tokens of every sample spread over a cp group.
+"""Ulysses context parallel: the video and caption tokens of every sample spread over a cp group.
 
 Layout. Within a group of `size` ranks, token j of the video sequence the model builds (frame
 major; `[clean | noisy]` in teacher forcing; the samples one after another in a pack) lives on
 cp rank j % size. Strided rather than contiguous: every rank holds a share of every frame and
 of every sample of a pack, and block-causal work stays balanced (a contiguous split would give
-the last rank the chunks that see the most keys).
+the last rank the chunks that see the most keys). Caption token j lives on cp rank j % size
+too (a pack's captions one after another), after the caption is padded at its end with
+masked tokens to a multiple of size (a pack's last caption takes the padding): a rank embeds
+and runs ceil(L / size) of a caption's L tokens. Masked tokens sit after the real ones, so
+attention sees them as a shorter caption length (the form a padded caption has anyway) and
+never as keys: the padding changes no result.
 
-Around each block's video attention two all-to-alls trade tokens for heads. Rank r sends head
-group s of its tokens to rank s and receives head group r of everyone's; rank s's l-th token
-is token l * size + s, so the received pieces interleave back into the natural order with a
-reshape. In this "head space" a rank holds the whole sequence for num_heads / size heads, so
-the attention plan is exactly the one the unsplit model builds (full, padded, block-causal,
-teacher forcing, a pack's masks; FA4, flex or SDPA): attention needs no change at all. The
-second all-to-all gives each rank its own tokens back with every head.
+Around each block's attention, in each stream, all-to-alls trade tokens for heads. Rank r
+sends head group s of its tokens to rank s and receives head group r of everyone's; rank s's
+l-th token is token l * size + s, so the received pieces interleave back into the natural
+order with a reshape. In this "head space" a rank holds the whole sequence for num_heads /
+size heads, so the attention plan is exactly the one the unsplit model builds (full, padded,
+block-causal, teacher forcing, a pack's masks; FA4, flex or SDPA): attention needs no change
+at all. The second all-to-all gives each rank its own tokens back with every head.
 
-The caption's text stream stays whole on every rank: it attends only to text, is short (at
-most a few hundred tokens against tens of thousands of video tokens) and depends on the
-caption alone. Each rank keeps its head group of the caption's K/V as the prefix of its video
-attention; a rollout's KV cache holds only this rank's heads (committed chunks are cached in
-head space), so a rank keeps 1/size of the cache.
+The text stream attends to the caption only, as unsplit: its queries, keys and values go to
+head space, the text-over-text plan runs over the whole (padded) caption, and its output comes
+back to the rank's tokens. Its keys and values in head space are this rank's heads of the
+whole caption: the prefix of its video attention, with no further exchange. A rollout's KV
+cache holds exactly those (the caption and committed chunks in head space), so a rank keeps
+1/size of the cache. Nothing of the text stream is read after the blocks (the last block
+computes only its keys and values), so there is nothing of it to gather.
 
 What follows the tokens: RoPE positions (taken with the same stride, before the exchange) and
 the modulation runs. A run of n tokens sharing one time (a sample, or a frame) keeps its
@@ -26,13 +33,14 @@ boundaries when size divides n: rank r's share of run g is its local tokens [g n
 (g + 1) n / size), so the one-vector-per-run fast path of the model still applies. Runs of one
 token (a pack's per-token slots) are strided like the tokens. Any other run length is refused
 (trainer.preflight says so before a run starts: tokens per latent frame must divide by
-cp_size). A pack is padded to a multiple of size by VideoDiT.forward_packed.
+cp_size). A pack's video tokens are padded to a multiple of size by VideoDiT.forward_packed.
 
 Gradients. The head's output is gathered, so the stages compute their losses on whole samples,
 unchanged and identically on every rank of the group. The gather's backward sums the group's
-output gradients, so a rank's parameter gradients are size times its tokens' share, and
-FSDP2's mean over the dp_shard x cp shard group turns that back into the mean over
-data-parallel ranks: the gradient does not depend on the split.
+output gradients, so a rank's parameter gradients are size times its tokens' share (its
+caption tokens' too: the exchanges' backwards route every head group's gradient back to the
+token's rank), and FSDP2's mean over the dp_shard x cp shard group turns that back into the
+mean over data-parallel ranks: the gradient does not depend on the split.
 
 Data. Only cp rank 0 of a group reads; `GroupSharedBatches` hands its batch to the others.
 """
@@ -76,14 +84,15 @@ class Ulysses:
                 f"must divide by cp_size (pick a cp_size that divides them, or another "
                 f"resolution or patch size)")
         if run == 1 and slots is not None:
-            slots = self.share(slots[None])[0]  # per-token slots follow their tokens
+            slots = self.share(slots, dim=0)  # per-token slots follow their tokens
         elif run == 1:
-            slots = self.share(torch.arange(groups, device=vid.device)[None])[0]
-        return self.share(vid), slots, self.share(positions[None])[0]
+            slots = self.share(torch.arange(groups, device=vid.device), dim=0)
+        return self.share(vid), slots, self.share(positions, dim=0)
 
-    def share(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's tokens of x [B, N, ...]: tokens rank, rank + size, ... (N % size == 0)."""
-        return x[:, self.rank::self.size]
+    def share(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's tokens of x along `dim` (the tokens of [B, N, ...] by default): tokens
+        rank, rank + size, ... of a count that divides by size."""
+        return x[(slice(None),) * dim + (slice(self.rank, None, self.size),)]
 
     def pad_caption(self, text: torch.Tensor, mask: torch.Tensor | None):
         """A caption [B, L, C] and its mask (bool [B, L], None: all real) padded at the end

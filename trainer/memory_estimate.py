@@ -10,8 +10,8 @@ What is counted, per rank (P = parameters of one model, S = ranks of a shard gro
 - the FSDP2 working set: the unsharded compute-dtype copy of the block being run and of the
   one prefetched, plus that block's unsharded fp32 gradient before its reduce-scatter.
 - activations of the trained forward at the configured sequence (video + caption tokens,
-  Stage1/Stage2 teacher forcing holds clean and noisy video), video tokens divided by cp
-  (Ulysses splits them; the caption stream runs whole on every cp rank): ACT_BYTES bytes
+  Stage1/Stage2 teacher forcing holds clean and noisy video), video and caption tokens each
+  divided by cp, rounded up (Ulysses splits both streams): ACT_BYTES bytes
   per token x hidden per block without checkpointing; with it, only each block's input
   (CKPT_BYTES) plus one block's full activations during its recompute; selective
   checkpointing adds each block's attention output (ATTENTION_BYTES, bf16: counted, not
@@ -134,8 +134,8 @@ def estimate_memory(cfg: dict, *, stage: str, use_muon: bool, use_ema: bool,
     lines.append(f"  FSDP2 working set: (2 blocks x 2 B + 4 B) x {per_block / 1e6:.1f}M = "
                  f"{working:.2f} GiB")
     video = video_tokens * (2 if stage in ("tf_anyflow", "dmd_sgf") else 1)
-    # Ulysses splits the video tokens; every cp rank runs the (short) caption stream whole.
-    tokens = batch_per_rank * (math.ceil(video / cp) + text_tokens)
+    # Ulysses splits both streams; each is padded to a multiple of cp first.
+    tokens = batch_per_rank * (math.ceil(video / cp) + math.ceil(text_tokens / cp))
     unit = tokens * h / GIB
     if checkpointing:
         kept = CKPT_BYTES + (ATTENTION_BYTES if selective else 0.0)
@@ -145,7 +145,7 @@ def estimate_memory(cfg: dict, *, stage: str, use_muon: bool, use_ema: bool,
         acts = unit * ACT_BYTES * layers
         how = f"{ACT_BYTES:g} B x {layers} blocks"
     lines.append(f"  activations: {tokens} tokens per rank (batch {batch_per_rank} x ({video} "
-                 f"video / cp {cp} + {text_tokens} caption)) x hidden {h} x {how} = "
+                 f"video + {text_tokens} caption) / cp {cp}) x hidden {h} x {how} = "
                  f"{acts:.2f} GiB ({_checkpointing_name(checkpointing, selective)})")
     lines.append(f"  overhead: {OVERHEAD_GIB:g} GiB")
     return MemoryEstimate(states, working, acts, OVERHEAD_GIB, tuple(lines))

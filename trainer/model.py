@@ -290,7 +290,8 @@ class Caption(NamedTuple):
 
     tokens: torch.Tensor  # embedded [B, L, D]; under context parallel this rank's share
     plan: AttentionPlan  # text over text, over all `length` tokens
-    lengths: torch.Tensor | None  # real tokens per sample, long [B]; None when none is padded
+    lengths: torch.Tensor | None  # real tokens per sample, long [B]; None: none padded, or a
+    # pack (its captions' padding is in its plans)
     length: int  # caption keys the video attends to (under cp: padded to a multiple of cp_size)
 
 
@@ -315,9 +316,10 @@ class KVCache:
 
     text_kv[layer] = (k, v) [B, L, heads, head_dim] (under context parallel: this rank's head
     group over the whole caption, padded to a multiple of cp_size, and the chunks' K/V over the
-    whole chunk); text_lengths: int [B] real caption tokens, or None when no caption is padded; chunks[i][layer] = (k, v) of the i-th kept committed
-    chunk (oldest first, detached, RoPE applied at absolute positions); next_frame is the
-    latent frame where the next chunk starts. Built by VideoDiT.new_kv_cache.
+    whole chunk); text_lengths: int [B] real caption tokens, or None when no caption is
+    padded; chunks[i][layer] = (k, v) of the i-th kept committed chunk (oldest first,
+    detached, RoPE applied at absolute positions); next_frame is the latent frame where the
+    next chunk starts. Built by VideoDiT.new_kv_cache.
     """
 
     text_kv: list[tuple[torch.Tensor, torch.Tensor]]
@@ -525,8 +527,9 @@ class VideoDiT(nn.Module):
 
         cond: [B, S, D] conditioning slots; the tokens form G equal runs, run g modulated by slot
         slot_of_group[g] (None: G = S, run g by slot g). The prefix each block's video attends
-        to is either the caption (a Caption), run alongside, or past[layer] = cached (k, v). Returns (head output tokens [B, N, patch values], per-layer detached
-        video (k, v) if collect_kv else []).
+        to is either the caption (a Caption), run alongside, or past[layer] = cached (k, v).
+        Returns (head output tokens [B, N, patch values], per-layer detached video (k, v) if
+        collect_kv else []).
 
         Under context parallel the blocks run on this rank's strided share of the tokens (their
         positions and modulation runs with them; trainer.context_parallel; the caption comes
@@ -576,8 +579,8 @@ class VideoDiT(nn.Module):
             text, text_mask = self.ulysses.pad_caption(text, text_mask)
         lengths = text_lengths_of(text_mask)
         tokens = text if self.ulysses is None else self.ulysses.share(text)
-        return Caption(self.text_embedder(tokens), self._text_plan(lengths, text.shape[1], text.device),
-                       lengths, text.shape[1])
+        plan = self._text_plan(lengths, text.shape[1], text.device)
+        return Caption(self.text_embedder(tokens), plan, lengths, text.shape[1])
 
     # ---- public forwards -------------------------------------------------------------------
 

@@ -2,12 +2,13 @@
 
 First the model alone (tests/context_parallel_worker.py): every forward, its video and caption
 tokens split over 2 and 4 ranks (captions of 5 tokens, a pack's of 11: padded to split),
-against the same model unsplit. Then train.py: the same global batch of
-8 samples on one process, on one cp group of 2 and on dp 2 x cp 2 must log the same losses and
-gradient norms (the draws are keyed by sample, cp rank 0 reads and shares the batch, the
-gathered output feeds the unchanged losses); the same for Stage1 (block-causal teacher forcing),
-Stage2 (the KV-cached rollout) and a pack of mixed shapes; a cp checkpoint resumes on one
-process on the same trajectory; a split that cannot work is refused before a model exists.
+against the same model unsplit. Then train.py, with captions of 5 tokens: the same global
+batch of 8 samples on one process, on one cp group of 2 and on dp 2 x cp 2 must log the same
+losses and gradient norms (the draws are keyed by sample, cp rank 0 reads and shares the
+batch, the gathered output feeds the unchanged losses); the same for Stage1 (block-causal
+teacher forcing), Stage2 (the KV-cached rollout) and a pack of mixed shapes; a cp checkpoint
+resumes on one process on the same trajectory; a split that cannot work is refused before a
+model exists.
 """
 
 from __future__ import annotations
@@ -56,12 +57,16 @@ def test_every_forward_of_the_model_matches_the_unsplit_model(tmp_path, ranks):
                                            "split": [math.ceil(length / ranks)]}, case
 
 
+# Captions of 5 tokens, which 2 cp ranks split only once padded to 6 with a masked token.
+CAPTION = ("--text_max_tokens", "5")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The tiny pretrain on one global batch of 8: one process, cp 2, dp 2 x cp 2."""
     root = tmp_path_factory.mktemp("cp")
     data = root / "data"
-    model = ("--transformer_config_overrides", MODEL)
+    model = ("--transformer_config_overrides", MODEL, *CAPTION)
     splits = {"one": (1, "--train_batch_size", "8"),
               "cp2": (2, "--train_batch_size", "8", "--cp_size", "2"),
               "dp2cp2": (4, "--train_batch_size", "4", "--cp_size", "2")}
@@ -89,7 +94,8 @@ def test_a_cp2_checkpoint_resumes_on_one_process_on_the_same_trajectory(runs):
     out = root / "resume-cp2-on-one"
     out.mkdir()
     subprocess.run(["cp", "-r", str(root / "cp2" / "checkpoint-3"), str(out)], check=True)
-    proc = train(out, data, 1, "--transformer_config_overrides", MODEL, "--train_batch_size", "8")
+    proc = train(out, data, 1, "--transformer_config_overrides", MODEL, *CAPTION,
+                 "--train_batch_size", "8")
     assert "resumed from" in proc.stderr
     assert sorted(records(out)) == [4, 5, 6]
     assert_same_trajectory(out, root / "cp2", steps=[4, 5, 6])
@@ -112,8 +118,8 @@ def test_stage1_and_stage2_give_the_same_losses_at_cp2_as_on_one_process(runs, t
     sources = (("--pretrained_transformer_path", source) if config == "stage1" else
                ("--student_init_path", source, "--teacher_init_path", source,
                 "--critic_init_path", source))
-    common = ("--transformer_config_overrides", model, *sources, *extra, "--max_steps", "4",
-              "--train_batch_size", "4")
+    common = ("--transformer_config_overrides", model, *CAPTION, *sources, *extra,
+              "--max_steps", "4", "--train_batch_size", "4")
     train(tmp_path / "one", tmp_path / "data", 1, *common, config=config)
     train(tmp_path / "cp2", tmp_path / "data", 2, *common, "--cp_size", "2", config=config)
     assert_same_trajectory(tmp_path / "cp2", tmp_path / "one", keys=keys)
@@ -125,7 +131,8 @@ PACKED_MODEL = ("{hidden_size: 16, num_attention_heads: 2, num_layers: 1, rope_a
 
 
 def test_a_pack_of_mixed_shapes_trains_the_same_at_cp2_as_on_one_process(tmp_path):
-    data = write_fastvideo_dataset(tmp_path / "data", 24)  # videos and images, several sizes
+    # videos and images, several sizes, captions of 3 to 11 tokens: packs of odd caption sums
+    data = write_fastvideo_dataset(tmp_path / "data", 24)
     common = ("--transformer_config_overrides", PACKED_MODEL, "--synthetic_data", "false",
               "--packing_token_budget", "60", "--max_steps", "4", "--train_batch_size", "4")
     train(tmp_path / "one", data, 1, *common)
