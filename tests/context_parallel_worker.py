@@ -1,6 +1,6 @@
 """One rank of tests/integration/test_context_parallel.py's model checks: every forward of the
 DiT with its video and caption tokens split over a cp group of all ranks, against the same
-model unsplit on the same inputs. Captions of 5 tokens (one of them padded to 3) and a pack of
+model unsplit on the same inputs. Captions of 5 tokens (one with 3 real ones) and a pack of
 3 + 5 + 3 caption tokens: no count divides by 2 or 4. Writes <out>/<rank>.json: the largest
 output and gradient differences of each case (gradients: the group's sum over size, see
 trainer.context_parallel), the caption tokens a block's text stream held in each model, how
