@@ -121,6 +121,9 @@ def main(out: Path) -> None:
     compare("bidirectional", model, lambda m: m(x, torch.tensor([300.0, 900.0]), caption, mask),
             results)
     compare("per_frame_times", model, lambda m: m(x, per_frame, caption, mask), results)
+    # no mask at all: the split pads the caption and brings a mask of its own
+    compare("unmasked_caption", model, lambda m: m(x, torch.tensor([300.0, 900.0]), caption),
+            results)
     causal = dict(causal_chunk_size=2, two_time=True)
     compare("block_causal", lambda: model(causal_chunk_size=2),
             lambda m: m(x, per_frame, caption, mask), results)

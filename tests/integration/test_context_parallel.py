@@ -45,8 +45,8 @@ def test_every_forward_of_the_model_matches_the_unsplit_model(tmp_path, ranks):
         # this rank's heads only (4 heads in all).
         padded = math.ceil(5 / ranks) * ranks
         assert result.pop("cached_text") == {"whole": [5, 4], "split": [padded, 4 // ranks]}
-        assert set(result) == {"bidirectional", "per_frame_times", "block_causal",
-                               "teacher_forcing", "kv_rollout", "packed"}
+        assert set(result) == {"bidirectional", "unmasked_caption", "per_frame_times",
+                               "block_causal", "teacher_forcing", "kv_rollout", "packed"}
         for case, diff in result.items():  # float64: only the order of sums differs
             assert diff["out"] < 1e-12, (case, diff)
             if "grad" in diff:
