@@ -135,7 +135,8 @@ def _fsdp_mesh(device: torch.device, shape):
 
 # Methods the stages call instead of forward; FSDP2 must unshard around them too.
 _FORWARD_METHODS = ("forward_teacher_forcing", "forward_packed", "forward_teacher_forcing_packed",
-                    "new_kv_cache", "forward_chunk", "commit_chunk")
+                    "new_kv_cache", "forward_chunk", "commit_chunk", "new_packed_kv_cache",
+                    "forward_chunk_packed", "commit_chunk_packed")
 
 
 def shard_model(model: torch.nn.Module, topo: Topology) -> torch.nn.Module:
