@@ -44,3 +44,111 @@ def test_a_sample_of_a_packed_cache_does_not_see_the_others():
                                                   [300.0, 300.0], cache, [0, 1]))
     assert torch.equal(outputs[0][0], outputs[1][0])  # sample 0 is blind to sample 1's caption
     assert not torch.equal(outputs[0][1], outputs[1][1])
+
+
+# ---- a Stage2 step on a pack equals the mean of the per-sample steps --------------------------
+
+def _pack(channels: int, text_dim: int, patch: int) -> dict:
+    """Three samples of 4, 3 and 1 latent frames (2, 2 and 1 chunks of 2; the second ends in a
+    short chunk) at three resolutions, captions of 5, 8 and 3 tokens, one with padding."""
+    g = torch.Generator().manual_seed(21)
+    xs = [torch.randn(channels, *shape, generator=g, dtype=torch.float64)
+          for shape in ((4, 2 * patch, 3 * patch), (3, 3 * patch, 2 * patch), (1, 2 * patch, 2 * patch))]
+    texts = [torch.randn(n, text_dim, generator=g, dtype=torch.float64) for n in (5, 8, 3)]
+    masks = [torch.ones(5, dtype=torch.bool), torch.tensor([True] * 6 + [False] * 2),
+             torch.ones(3, dtype=torch.bool)]
+    return {"packed": True, "latents": xs, "text": texts, "text_mask": masks,
+            "first_frame": [None] * 3, "sample_keys": [40, 41, 42]}
+
+
+def _alone(pack: dict, i: int) -> dict:
+    return {"latents": pack["latents"][i][None], "text": pack["text"][i][None],
+            "text_mask": pack["text_mask"][i][None], "first_frame": None,
+            "sample_keys": [pack["sample_keys"][i]]}
+
+
+def _double_stage(**keys):
+    from test_dmd_sgf import make_stage
+
+    stage = make_stage(**keys)
+    for model in (stage.student, stage.teacher, stage.critic):
+        model.double()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # a critic apart from the teacher, so the DMD gradient is not 0
+        for p in stage.critic.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return stage
+
+
+def _grads(model) -> list[torch.Tensor]:
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.mark.parametrize("keys", [{}, {"image_cond_prob": 0.5},
+                                  {"rollout_mode": "data_latent", "real_guidance_scale": 0.0}])
+def test_packed_stage2_losses_and_gradients_equal_the_per_sample_mean(keys):
+    from trainer.sample_draws import SampleDraws
+
+    stage = _double_stage(**keys)
+    cfg = stage.student.cfg
+    pack = _pack(cfg.in_channels, cfg.text_dim, cfg.patch_size[1])
+    step, seed = 6, stage.args.seed
+
+    def student_loss(batch, sample, loss_of):
+        draws = SampleDraws(seed, step, batch["sample_keys"])
+        x_hat, frames, _ = sample(batch, with_grad=True, draws=draws,
+                                  exit_generator=stage._exit_generator(step, 0))
+        return loss_of(x_hat, frames, stage._captions(batch), draws)[0]
+
+    def critic_loss(batch, sample, loss_of):
+        draws = SampleDraws(seed, step, batch["sample_keys"])
+        with torch.no_grad():
+            x_hat, frames, _ = sample(batch, with_grad=False, draws=draws,
+                                      exit_generator=stage._exit_generator(step, 1))
+        return loss_of(x_hat, frames, stage._captions(batch), draws)
+
+    for loss_fn, model, packed_fns, alone_fns in (
+            (student_loss, stage.student, (stage.student_sample_packed, stage.generator_loss_packed),
+             (stage.student_sample, stage.generator_loss)),
+            (critic_loss, stage.critic, (stage.student_sample_packed, stage.critic_loss_packed),
+             (stage.student_sample, stage.critic_loss))):
+        packed = loss_fn(pack, *packed_fns)
+        packed.backward()
+        packed_grads = _grads(model)
+        alone = [loss_fn(_alone(pack, i), *alone_fns) for i in range(3)]
+        (sum(alone) / 3).backward()
+        torch.testing.assert_close(packed, sum(alone) / 3, rtol=1e-9, atol=1e-12)
+        assert packed_grads and len(packed_grads) == len(alone_grads := _grads(model))
+        for got, want in zip(packed_grads, alone_grads):
+            torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-11)
+        assert float(packed.detach()) > 0 and any(bool(g.abs().sum() > 0) for g in packed_grads)
+
+
+class _Packs:
+    """The data iterator's packs, one after another (fresh sample keys each)."""
+
+    def __init__(self, cfg):
+        self.cfg, self.served = cfg, 0
+
+    def next_batch(self):
+        pack = _pack(self.cfg.in_channels, self.cfg.text_dim, self.cfg.patch_size[1])
+        pack["sample_keys"] = [3 * self.served + i for i in range(3)]
+        pack["sample_index"] = torch.tensor(pack["sample_keys"])
+        self.served += 1
+        return pack
+
+
+def test_stage2_trains_on_packs_both_roles_and_counts_the_packs_samples():
+    stage = _double_stage(generator_update_interval=1)
+    stage.data = _Packs(stage.student.cfg)
+    before = {name: [p.detach().clone() for p in model.parameters()]
+              for name, model in (("student", stage.student), ("critic", stage.critic))}
+    first = stage.train_step(1)   # k = 0: the critic only
+    second = stage.train_step(2)  # k = 1: the student, then the critic
+    assert first["samples"] == 3 and second["samples"] == 6
+    assert second["student_updates"] == 1 and second["generator_loss"] > 0
+    assert stage.tokens_per_sample == (4 * 2 * 3 + 3 * 3 * 2 + 1 * 2 * 2) // 3
+    for name, model in (("student", stage.student), ("critic", stage.critic)):
+        assert any(not torch.equal(a, b) for a, b in zip(before[name], model.parameters())), name

@@ -236,6 +236,16 @@ def any_rank(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
     return bool(value.item())
 
 
+def max_across_ranks(value: int) -> int:
+    """The largest `value` of all ranks (itself in one process): how many rounds of sharded
+    forwards every rank runs when the ranks' own counts differ (packs of different lengths)."""
+    if not distributed_active() or dist.get_world_size() == 1:
+        return int(value)
+    tensor = torch.tensor([int(value)], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
 def sum_across_ranks(values: list[float]) -> list[float]:
     """Element-wise sum over all ranks (the values themselves in one process)."""
     if not distributed_active() or dist.get_world_size() == 1:
