@@ -152,3 +152,58 @@ def test_stage2_trains_on_packs_both_roles_and_counts_the_packs_samples():
     assert stage.tokens_per_sample == (4 * 2 * 3 + 3 * 3 * 2 + 1 * 2 * 2) // 3
     for name, model in (("student", stage.student), ("critic", stage.critic)):
         assert any(not torch.equal(a, b) for a, b in zip(before[name], model.parameters())), name
+
+
+# ---- under FSDP2 the ranks' packs differ in chunks, their forwards must not ------------------
+
+def _sharded_rollout(rank: int, world: int, port: int) -> None:
+    import copy
+    import os
+
+    from trainer.distributed import (barrier, destroy, init_distributed, max_across_ranks,
+                                     shard_model)
+    from trainer.sample_draws import SampleDraws
+    from trainer.stages import rollout as R
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    topo = init_distributed(1, backend="gloo")
+    model = _model(causal_chunk_size=2)  # the same seeded weights on every rank
+    reference = copy.deepcopy(model)
+    shard_model(model, topo)
+    xs, _, texts, masks = _causal_samples()
+    mine = [0, 1] if rank == 0 else [2]  # rank 0: 2 chunks each; rank 1: one image, 1 chunk
+    sigmas = [1.0, 0.6, 0.3]
+    rounds = max_across_ranks(max(-(-xs[i].shape[1] // 2) for i in mine))
+    got = R.simulate_packed_rollout(model, [xs[i][None] for i in mine], [texts[i] for i in mine],
+                                    [masks[i] for i in mine], sigmas, 2, anchors=[None] * len(mine),
+                                    anchored=[None] * len(mine),
+                                    draws=[SampleDraws(0, 1, [i]) for i in mine], rounds=rounds)
+    for i, out in zip(mine, got.output):
+        with torch.no_grad():
+            student = R.CachedStudent(reference, texts[i][None], masks[i][None])
+            want = R.simulate_rollout(student, xs[i][None], sigmas, 2,
+                                      generator=SampleDraws(0, 1, [i]))
+        torch.testing.assert_close(out, want.output, rtol=1e-9, atol=1e-10)
+    assert rounds == 2
+    barrier()  # a rank that exits without tearing gloo down, or before the others, aborts
+    destroy()
+
+
+def test_sharded_ranks_whose_packs_hold_fewer_chunks_keep_pace_and_roll_out_exactly():
+    import socket
+    import time
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.spawn(_sharded_rollout, args=(2, port), nprocs=2, join=False)
+    deadline = time.monotonic() + 240
+    while not context.join(timeout=5):  # raises when a rank failed
+        if time.monotonic() > deadline:  # a rank waits in a forward the other never runs
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the ranks hung: their rollouts ran different numbers of sharded forwards")
