@@ -207,3 +207,57 @@ def test_sharded_ranks_whose_packs_hold_fewer_chunks_keep_pace_and_roll_out_exac
             for process in context.processes:
                 process.kill()
             pytest.fail("the ranks hung: their rollouts ran different numbers of sharded forwards")
+
+
+# ---- through train.py: a FastVideo-layout dataset of mixed shapes ------------------------------
+
+def _stage2(data, sft, out, max_steps: int) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_data_train import MODEL
+
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, str(root / "trainer" / "train.py"),
+               "--config", str(root / "config" / "tiny" / "stage2.yaml"),
+               "--transformer_config_overrides", MODEL[:-1] + ", causal_chunk_size: 2}",
+               "--synthetic_data", "false", "--data_path", str(data), "--output_dir", str(out),
+               *(arg for role in ("student", "teacher", "critic")
+                 for arg in (f"--{role}_init_path", str(sft))),
+               "--packing_token_budget", "60", "--packed_dataloader_num_workers", "0",
+               "--max_steps", str(max_steps), "--generator_update_interval", "1",
+               "--save_interval", "2", "--log_interval", "1", "--validation_interval", "-1",
+               "--deterministic", "true"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
+        env.pop(key, None)
+    proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_stage2_trains_in_packs_of_mixed_shapes_and_resumes_on_the_same_trajectory(tmp_path):
+    import json
+    import math
+
+    from fixtures.fastvideo_t2v import write_fastvideo_dataset
+    from test_data_train import _train
+
+    data = write_fastvideo_dataset(tmp_path / "data", 24, dtype=torch.float32)
+    _train(data, tmp_path / "sft", 2, "--use_ema", "true")  # FM on packs: the three roles' init
+    _stage2(data, tmp_path / "sft", tmp_path / "reference", 4)
+    _stage2(data, tmp_path / "sft", tmp_path / "resumed", 2)
+    _stage2(data, tmp_path / "sft", tmp_path / "resumed", 4)
+
+    def records(run):
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r for r in map(json.loads, lines)}
+
+    reference, resumed = records("reference"), records("resumed")
+    assert sorted(reference) == [1, 2, 3, 4]
+    assert all(math.isfinite(r["critic_loss"]) for r in reference.values())
+    assert reference[4]["student_updates"] == 3 and math.isfinite(reference[4]["generator_loss"])
+    for step in (3, 4):
+        for key in ("critic_loss", "generator_loss", "student_grad_norm"):
+            assert resumed[step][key] == reference[step][key], (step, key)
