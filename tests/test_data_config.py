@@ -51,7 +51,8 @@ def test_a_seed_config_with_every_data_key_loads(tmp_path):
     (["--packed_dataloader_prefetch_factor", "0"], "prefetch_factor` must be >= 1"),
     (["--packing_token_budget", "0"], "packing_token_budget` must be >= 1"),
     (["--conditioning_schema", "[t2v, t2i]"], "unknown task.*t2i"),
-    (["--stage", "dmd_sgf", "--cp_size", "2"], "Stage2 \\(dmd_sgf\\) with cp_size 2: its packed rollout"),
+    (["--stage", "dmd_sgf", "--cp_size", "2"],
+     "Stage2 \\(dmd_sgf\\) with cp_size 2: its packed rollout"),
     (["--text_encoder", "/nonexistent/encoder"], "neither 'standin' nor a directory"),
 ])
 def test_contradictory_data_settings_are_refused(tmp_path, cli, message):

@@ -53,7 +53,8 @@ def _pack(channels: int, text_dim: int, patch: int) -> dict:
     short chunk) at three resolutions, captions of 5, 8 and 3 tokens, one with padding."""
     g = torch.Generator().manual_seed(21)
     xs = [torch.randn(channels, *shape, generator=g, dtype=torch.float64)
-          for shape in ((4, 2 * patch, 3 * patch), (3, 3 * patch, 2 * patch), (1, 2 * patch, 2 * patch))]
+          for shape in ((4, 2 * patch, 3 * patch), (3, 3 * patch, 2 * patch),
+                        (1, 2 * patch, 2 * patch))]
     texts = [torch.randn(n, text_dim, generator=g, dtype=torch.float64) for n in (5, 8, 3)]
     masks = [torch.ones(5, dtype=torch.bool), torch.tensor([True] * 6 + [False] * 2),
              torch.ones(3, dtype=torch.bool)]
@@ -110,7 +111,8 @@ def test_packed_stage2_losses_and_gradients_equal_the_per_sample_mean(keys):
         return loss_of(x_hat, frames, stage._captions(batch), draws)
 
     for loss_fn, model, packed_fns, alone_fns in (
-            (student_loss, stage.student, (stage.student_sample_packed, stage.generator_loss_packed),
+            (student_loss, stage.student,
+             (stage.student_sample_packed, stage.generator_loss_packed),
              (stage.student_sample, stage.generator_loss)),
             (critic_loss, stage.critic, (stage.student_sample_packed, stage.critic_loss_packed),
              (stage.student_sample, stage.critic_loss))):

@@ -139,7 +139,8 @@ def test_a_pack_budget_sets_the_activations_whatever_the_batch_and_clip_keys_say
              for keys in ({}, {"train_batch_size": 4, "global_batch_size": 7680},
                           {"expected_latent_shape": [16, 41, 90, 160]})]
     seen = {_activations(plan) for plan in plans}
-    assert len(seen) == 1 and next(iter(seen))[0] == "40000"  # one pack of 40000 tokens, however the clips are cut or batched
+    # one pack of 40000 tokens, however the clips are cut or batched
+    assert len(seen) == 1 and next(iter(seen))[0] == "40000"
     assert "activations: 40000 tokens per rank (one pack of packing_token_budget 40000" in plans[0]
     assert "1 pack of <= 40000 joint tokens" in plans[0] and "= 1920 packs a step" in plans[0]
     unpacked = describe_plan(resolve_config(PRODUCTION, {}, world_size=1920, check_paths=False),

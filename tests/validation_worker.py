@@ -1,6 +1,7 @@
 """One rank of the sharded validation test (tests/test_validation_ranks.py).
 
-    python -m torch.distributed.run --nproc_per_node N --master_port P tests/validation_worker.py DATA VAE OUT
+    python -m torch.distributed.run --nproc_per_node N --master_port P \
+        tests/validation_worker.py DATA VAE OUT
 
 Joins gloo through trainer.distributed, builds the pretrain stage with trainer.build (FSDP2
 over every rank when N > 1; the tiny AutoencoderKLWan at VAE), validates once as train.py does
@@ -39,8 +40,8 @@ def main() -> None:
     torch.manual_seed(args.seed)  # as train.py: the same initial weights on every rank
     stage = build_stage(args, topo)
     metrics = train._validate(stage, args, 1, out, topo)
-    report = {"sharded": topo.fsdp_mesh is not None, "vae_loaded": vae._cached_vae.cache_info().currsize,
-              "metrics": sorted(metrics)}
+    report = {"sharded": topo.fsdp_mesh is not None,
+              "vae_loaded": vae._cached_vae.cache_info().currsize, "metrics": sorted(metrics)}
     (out / f"rank-{topo.rank}.json").write_text(json.dumps(report))
     barrier()  # a rank that exits without tearing gloo down, or before the others, aborts
     destroy()

@@ -125,7 +125,8 @@ def pack_tokens_per_rank(budget: int, *, copies: int, cp: int, video_tokens: int
     else:
         all_video, all_caption = math.ceil(copies * budget / cp), budget
         caption = 0 if all_video >= all_caption else budget
-        how = f"all {'video' if caption == 0 else 'caption'}, the worse split (no sample shape known)"
+        worse = "video" if caption == 0 else "caption"
+        how = f"all {worse}, the worse split (no sample shape known)"
     return math.ceil(copies * (budget - caption) / cp) + caption, caption, how
 
 
@@ -168,7 +169,8 @@ def estimate_memory(cfg: dict, *, stage: str, use_muon: bool, use_ema: bool,
                                                       video_tokens=video_tokens,
                                                       text_tokens=text_tokens)
         shape = (f"one pack of packing_token_budget {pack_budget} joint tokens: "
-                 f"({pack_budget - caption} video x {copies}) / cp {cp} + {caption} caption, {split}")
+                 f"({pack_budget - caption} video x {copies}) / cp {cp} + {caption} caption, "
+                 f"{split}")
     else:
         video = video_tokens * copies
         # Ulysses splits the video tokens; every cp rank runs the (short) caption stream whole.

@@ -321,13 +321,14 @@ class PackedKVCache:
         whether it is used (caption padding is not): long [P], bool [P]."""
         ks, vs, ids, used = [], [], [], []
         for i in samples:
-            for kv in [c[layer] for c in self.chunks[i]] + [self.text_kv[i][layer]]:
-                ks.append(kv[0])
-                vs.append(kv[1])
-                ids.append(torch.full((kv[0].shape[1],), i, device=kv[0].device))
-            used.append(torch.ones(sum(c[layer][0].shape[1] for c in self.chunks[i]),
-                                   dtype=torch.bool, device=ks[-1].device))
-            used.append(self.text_used[i].to(ks[-1].device))
+            pieces = [c[layer] for c in self.chunks[i]] + [self.text_kv[i][layer]]
+            ks += [k for k, _ in pieces]
+            vs += [v for _, v in pieces]
+            committed = sum(k.shape[1] for k, _ in pieces[:-1])
+            device = pieces[-1][0].device
+            ids.append(torch.full((committed + len(self.text_used[i]),), i, device=device))
+            used += [torch.ones(committed, dtype=torch.bool, device=device),
+                     self.text_used[i].to(device)]
         return torch.cat(ks, dim=1), torch.cat(vs, dim=1), torch.cat(ids), torch.cat(used)
 
 
@@ -884,11 +885,13 @@ class VideoDiT(nn.Module):
                 raise ValueError(f"sample {i}: a chunk of {frames} latent frames at frame {start}; "
                                  f"chunks hold at most {chunk_latent} and start at its multiples")
             grid = (frames // pt, h // ph, w // pw)
-            cond = self._conditioning(torch.as_tensor(t, device=x.device)[None],
-                                      None if r is None else torch.as_tensor(r, device=x.device)[None],
-                                      1, frames, x.device)
+            r = None if r is None else torch.as_tensor(r, device=x.device)[None]
+            cond = self._conditioning(torch.as_tensor(t, device=x.device)[None], r, 1, frames,
+                                      x.device)
+            # One slot per token, after the slots of the samples before (as forward_packed).
             per_frame = torch.arange(grid[0], device=x.device).repeat_interleave(grid[1] * grid[2])
-            slots.append(sum(c.shape[1] for c in conds) + (per_frame if cond.shape[1] > 1 else 0 * per_frame))
+            offset = sum(c.shape[1] for c in conds)
+            slots.append(offset + (per_frame if cond.shape[1] > 1 else 0 * per_frame))
             conds.append(cond)
             positions.append(grid_positions(*grid, start // pt, x.device))
             vids.append(self._patchify(x[None]))

@@ -15,6 +15,10 @@ a fresh no-grad rollout x_hat, FM loss of the critic on it (§7.6). EMA of the s
 its updates, counted in student updates (§7.8a, §9). Every step also logs what the health
 gate (trainer.health) watches: dmd_grad_rms, critic_loss_rel (the critic's FM loss over its
 first value) and generator_critic_loss_ratio.
+
+A micro-batch may be a pack of samples of different shapes (packing_token_budget): each sample
+draws and loses what it would alone, the models run the pack at once, and the losses are the
+per-sample means (the *_packed methods; docs/stages.md, "On packs").
 """
 
 from __future__ import annotations

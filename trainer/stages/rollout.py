@@ -21,6 +21,9 @@ docs/stages.md records the choice; tests pin which parameters see which gradient
 
 Image conditioning: with `anchored` [B] bool and `anchor` [B, C, 1, H, W], frame 0 of an
 anchored sample is the clean anchor at t = 0 everywhere (in every forward, in the output).
+
+Packs (samples of different shapes): `simulate_packed_rollout` and `replay_exit_packed` do the
+same per sample, the model running the pack at once through a packed KV cache.
 """
 
 from __future__ import annotations
@@ -391,7 +394,8 @@ def replay_exit_packed(model: nn.Module, noisys: list[torch.Tensor], cleans: lis
     each x_hat [1, C, T_i, H_i, W_i] equals replay_exit on that sample alone."""
     s = [frame_sigmas(sigma, 1, n.shape[2], a, device=n.device, dtype=_time_dtype(n))
          for n, a in zip(noisys, anchored)]
-    v = model.forward_teacher_forcing_packed([n[0] for n in noisys], [c[0].detach() for c in cleans],
+    v = model.forward_teacher_forcing_packed([n[0] for n in noisys],
+                                             [c[0].detach() for c in cleans],
                                              [si[0] * N for si in s], list(texts), list(text_masks))
     return [apply_anchor(flow.x0_from_velocity(n, si, vi[None].to(n.dtype)), a_x, a)
             for n, si, vi, a_x, a in zip(noisys, s, v, anchors, anchored)]
