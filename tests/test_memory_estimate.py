@@ -129,3 +129,63 @@ def test_the_production_pipeline_plans_each_stage_with_its_topology_and_memory()
     plan = pipeline.stage("pretrain").plan
     assert "world 1920 = dp_replicate 240 x dp_shard 8 x cp 1" in plan
     assert "total ~" in plan and "GiB per GPU" in plan
+
+
+def _activations(plan: str) -> tuple[str, str]:
+    """(tokens per rank, GiB) of the plan's activations line."""
+    line = next(line for line in plan.splitlines() if "activations:" in line)
+    return line.split("activations: ")[1].split()[0], line.split(" = ")[-1].split()[0]
+
+
+def test_a_pack_budget_sets_the_activations_whatever_the_batch_and_clip_keys_say():
+    budget = {"packing_token_budget": 40000}
+    plans = [describe_plan(resolve_config(PRODUCTION, {**budget, **keys}, world_size=1920,
+                                          check_paths=False), 1920, 8)
+             for keys in ({}, {"train_batch_size": 4, "global_batch_size": 7680},
+                          {"expected_latent_shape": [16, 41, 90, 160]})]
+    seen = {_activations(plan) for plan in plans}
+    # one pack of 40000 tokens, however the clips are cut or batched
+    assert len(seen) == 1 and next(iter(seen))[0] == "40000"
+    assert "activations: 40000 tokens per rank (one pack of packing_token_budget 40000" in plans[0]
+    assert "1 pack of <= 40000 joint tokens" in plans[0] and "= 1920 packs a step" in plans[0]
+    unpacked = describe_plan(resolve_config(PRODUCTION, {}, world_size=1920, check_paths=False),
+                             1920, 8)
+    assert "activations: 39608 tokens per rank" in unpacked  # 11 x 45 x 80 video + 8 caption
+
+
+def test_teacher_forcing_packs_count_clean_and_noisy_video_and_cp_splits_both_streams():
+    from trainer.schema import model_config
+
+    cfg = model_config(resolve_config(PRODUCTION, {}, check_paths=False))
+    common = dict(use_muon=False, use_ema=False, shard_group=8, batch_per_rank=1,
+                  checkpointing=True, pack_budget=10100, video_tokens=10000, text_tokens=100)
+    fm = estimate_memory(cfg, stage="fm", cp=1, **common)
+    tf = estimate_memory(cfg, stage="tf_anyflow", cp=1, **common)
+    tf_cp = estimate_memory(cfg, stage="tf_anyflow", cp=4, **common)
+    # 10000 video + 100 caption tokens: fm holds them once, teacher forcing the video twice,
+    # and cp 4 splits the 20000 video and the 100 caption tokens: 5000 + 25 a rank.
+    assert tf.activations_gib == pytest.approx(fm.activations_gib * 20100 / 10100)
+    assert tf_cp.activations_gib == pytest.approx(fm.activations_gib * 5025 / 10100)
+    # No sample shape known: all video, which teacher forcing runs twice.
+    unknown = estimate_memory(cfg, stage="tf_anyflow", cp=4, **{**common, "video_tokens": 0})
+    assert unknown.activations_gib == pytest.approx(fm.activations_gib * 5050 / 10100)
+    assert "no sample shape known" in unknown.describe()
+
+
+def test_a_budget_that_cannot_fit_is_refused_with_the_arithmetic_and_the_largest_that_fits():
+    args = resolve_config(PRODUCTION, {"packing_token_budget": 200000}, world_size=1920,
+                          check_paths=False)
+    with pytest.raises(ConfigError) as err:
+        describe_plan(args, 1920, 8)
+    message = str(err.value)
+    assert "does not fit the GPU" in message and "gpu_memory_gib is 141" in message
+    assert "activations: 200000 tokens per rank" in message
+    largest = int(message.split("lower packing_token_budget to at most ~")[1].split()[0])
+    assert 40000 < largest < 200000
+    fits = resolve_config(PRODUCTION, {"packing_token_budget": largest}, world_size=1920,
+                          check_paths=False)
+    assert "total ~" in describe_plan(fits, 1920, 8)  # the advised budget is accepted
+    over = resolve_config(PRODUCTION, {"packing_token_budget": int(largest * 1.02)},
+                          world_size=1920, check_paths=False)
+    with pytest.raises(ConfigError, match="does not fit the GPU"):
+        describe_plan(over, 1920, 8)

@@ -135,7 +135,8 @@ def _fsdp_mesh(device: torch.device, shape):
 
 # Methods the stages call instead of forward; FSDP2 must unshard around them too.
 _FORWARD_METHODS = ("forward_teacher_forcing", "forward_packed", "forward_teacher_forcing_packed",
-                    "new_kv_cache", "forward_chunk", "commit_chunk")
+                    "new_kv_cache", "forward_chunk", "commit_chunk", "new_packed_kv_cache",
+                    "forward_chunk_packed", "commit_chunk_packed")
 
 
 def shard_model(model: torch.nn.Module, topo: Topology) -> torch.nn.Module:
@@ -233,6 +234,16 @@ def any_rank(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
     value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_collective_device(group))
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return bool(value.item())
+
+
+def max_across_ranks(value: int) -> int:
+    """The largest `value` of all ranks (itself in one process): how many rounds of sharded
+    forwards every rank runs when the ranks' own counts differ (packs of different lengths)."""
+    if not distributed_active() or dist.get_world_size() == 1:
+        return int(value)
+    tensor = torch.tensor([int(value)], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
 
 
 def sum_across_ranks(values: list[float]) -> list[float]:

@@ -16,6 +16,13 @@ What is counted, per rank (P = parameters of one model, S = ranks of a shard gro
   (CKPT_BYTES) plus one block's full activations during its recompute; selective
   checkpointing adds each block's attention output (ATTENTION_BYTES, bf16: counted, not
   calibrated).
+- with `packing_token_budget` (trainer.data.order.BatchPlan), a micro-batch is one pack of at
+  most that many joint tokens (video after patchify + caption) whatever train_batch_size and
+  the clip shape say: the budget sets the activations. A pack's video tokens run `copies` times
+  (teacher forcing: clean and noisy) and are split by cp, its captions are not, so the split of
+  the budget between the two matters under cp: the estimate splits it as the known sample does
+  (its video : caption tokens), or takes the worse of all-video and all-caption when no sample
+  shape is known here.
 
 The activation constants are calibrated, not derived, on the step peaks `benchmarks/step.py`
 measured on one H200 (compiled blocks, bf16, FA4, batch 1, AdamW, no EMA; docs/performance.md):
@@ -102,11 +109,32 @@ class MemoryEstimate:
         return "\n".join([*self.lines, f"  total ~{self.total_gib:.1f} GiB per GPU"])
 
 
+def video_copies(stage: str) -> int:
+    """Video streams a stage's trained forward runs per sample (teacher forcing: clean | noisy)."""
+    return 2 if stage in ("tf_anyflow", "dmd_sgf") else 1
+
+
+def pack_tokens_per_rank(budget: int, *, copies: int, cp: int, video_tokens: int,
+                         text_tokens: int) -> tuple[int, int, str]:
+    """(tokens one cp rank holds for a pack of `budget` joint tokens, caption tokens assumed
+    in it, how the split was chosen): the caption share follows the known sample's
+    video_tokens : text_tokens; with video_tokens 0 (no shape known) all video, the worse
+    extreme (video runs `copies` times; cp splits both streams)."""
+    if video_tokens > 0:
+        caption = math.ceil(budget * text_tokens / (video_tokens + text_tokens))
+        how = f"split as one sample's {video_tokens} video : {text_tokens} caption"
+    else:
+        caption, how = 0, "all video, the worse split (no sample shape known)"
+    return math.ceil(copies * (budget - caption) / cp) + math.ceil(caption / cp), caption, how
+
+
 def estimate_memory(cfg: dict, *, stage: str, use_muon: bool, use_ema: bool,
                     shard_group: int, cp: int, batch_per_rank: int, video_tokens: int,
                     text_tokens: int, checkpointing: bool,
-                    selective: bool = False) -> MemoryEstimate:
-    """The memory one GPU needs for a step of `stage` (see the module docstring)."""
+                    selective: bool = False, pack_budget: int | None = None) -> MemoryEstimate:
+    """The memory one GPU needs for a step of `stage` (see the module docstring); with
+    `pack_budget` (packing_token_budget) a micro-batch is one pack of that many joint tokens
+    and batch_per_rank is not used."""
     p = model_parameters(cfg)
     per_block = block_parameters(cfg)
     h, layers = cfg["hidden_size"], cfg["num_layers"]
@@ -133,9 +161,19 @@ def estimate_memory(cfg: dict, *, stage: str, use_muon: bool, use_ema: bool,
     working = (2 * 2 + 4) * per_block / GIB if shard_group > 1 else 0.0
     lines.append(f"  FSDP2 working set: (2 blocks x 2 B + 4 B) x {per_block / 1e6:.1f}M = "
                  f"{working:.2f} GiB")
-    video = video_tokens * (2 if stage in ("tf_anyflow", "dmd_sgf") else 1)
-    # Ulysses splits both streams; each is padded to a multiple of cp first.
-    tokens = batch_per_rank * (math.ceil(video / cp) + math.ceil(text_tokens / cp))
+    copies = video_copies(stage)
+    if pack_budget is not None:
+        tokens, caption, split = pack_tokens_per_rank(pack_budget, copies=copies, cp=cp,
+                                                      video_tokens=video_tokens,
+                                                      text_tokens=text_tokens)
+        shape = (f"one pack of packing_token_budget {pack_budget} joint tokens: "
+                 f"({pack_budget - caption} video x {copies} + {caption} caption) / cp {cp}, "
+                 f"{split}")
+    else:
+        video = video_tokens * copies
+        # Ulysses splits both streams; each is padded to a multiple of cp first.
+        tokens = batch_per_rank * (math.ceil(video / cp) + math.ceil(text_tokens / cp))
+        shape = f"batch {batch_per_rank} x ({video} video + {text_tokens} caption) / cp {cp}"
     unit = tokens * h / GIB
     if checkpointing:
         kept = CKPT_BYTES + (ATTENTION_BYTES if selective else 0.0)
@@ -144,8 +182,7 @@ def estimate_memory(cfg: dict, *, stage: str, use_muon: bool, use_ema: bool,
     else:
         acts = unit * ACT_BYTES * layers
         how = f"{ACT_BYTES:g} B x {layers} blocks"
-    lines.append(f"  activations: {tokens} tokens per rank (batch {batch_per_rank} x ({video} "
-                 f"video + {text_tokens} caption) / cp {cp}) x hidden {h} x {how} = "
+    lines.append(f"  activations: {tokens} tokens per rank ({shape}) x hidden {h} x {how} = "
                  f"{acts:.2f} GiB ({_checkpointing_name(checkpointing, selective)})")
     lines.append(f"  overhead: {OVERHEAD_GIB:g} GiB")
     return MemoryEstimate(states, working, acts, OVERHEAD_GIB, tuple(lines))

@@ -57,7 +57,7 @@ from trainer.attention import (AttentionPlan, ChunkLayout, attend, block_causal_
                                plan_attention, plan_packed, teacher_forcing_mask)
 from trainer.model_config import DiTConfig
 
-__all__ = ["KVCache", "VideoDiT", "timestep_features"]
+__all__ = ["KVCache", "PackedKVCache", "VideoDiT", "timestep_features"]
 
 TIME_FREQ_DIM = 256  # width of the sinusoidal timestep features fed to the time MLPs
 
@@ -333,6 +333,38 @@ class KVCache:
         ks = [c[layer][0] for c in self.chunks] + [self.text_kv[layer][0]]
         vs = [c[layer][1] for c in self.chunks] + [self.text_kv[layer][1]]
         return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
+
+
+@dataclass
+class PackedKVCache:
+    """A rollout cache over a pack of samples of different shapes (trainer.data.packing):
+    per sample i, text_kv[i][layer] = (k, v) [1, L_i, heads, head_dim] of its caption,
+    text_used[i] bool [L_i] its real caption tokens, chunks[i] its kept committed chunks
+    ([layer] = (k, v) [1, n, heads, head_dim], detached, RoPE at absolute positions) and
+    next_frame[i] where its next chunk starts. A sample's chunks attend only to their own
+    sample's keys. Built by VideoDiT.new_packed_kv_cache.
+    """
+
+    text_kv: list[list[tuple[torch.Tensor, torch.Tensor]]]
+    text_used: list[torch.Tensor]
+    chunks: list[list[list[tuple[torch.Tensor, torch.Tensor]]]]
+    next_frame: list[int]
+
+    def prefix(self, samples: list[int], layer: int):
+        """(k, v) [1, P, heads, head_dim] the chunks of `samples` attend to besides themselves
+        (each sample's committed chunks, then its caption), with the sample of every key and
+        whether it is used (caption padding is not): long [P], bool [P]."""
+        ks, vs, ids, used = [], [], [], []
+        for i in samples:
+            pieces = [c[layer] for c in self.chunks[i]] + [self.text_kv[i][layer]]
+            ks += [k for k, _ in pieces]
+            vs += [v for _, v in pieces]
+            committed = sum(k.shape[1] for k, _ in pieces[:-1])
+            device = pieces[-1][0].device
+            ids.append(torch.full((committed + len(self.text_used[i]),), i, device=device))
+            used += [torch.ones(committed, dtype=torch.bool, device=device),
+                     self.text_used[i].to(device)]
+        return torch.cat(ks, dim=1), torch.cat(vs, dim=1), torch.cat(ids), torch.cat(used)
 
 
 def text_lengths_of(text_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -856,6 +888,109 @@ class VideoDiT(nn.Module):
             del cache.chunks[: max(0, len(cache.chunks) - window)]
         cache.next_frame = frame_start + x_chunk_clean.shape[2]
 
+
+    # ---- the rollout cache over a pack (Stage2 on packs) ---------------------------------
+
+    def new_packed_kv_cache(self, texts: list[torch.Tensor],
+                            text_masks: list[torch.Tensor]) -> PackedKVCache:
+        """An empty rollout cache over a pack: each caption [L_i, text_dim] (bool mask [L_i])
+        run once through the blocks' text stream, every caption seeing only itself, in one
+        call (so every rank of a sharded model runs the same forwards whatever its pack).
+        Computed in the caller's grad mode. Raises ValueError for a non-causal model or under
+        context parallel (a pack's rollout is not split over cp ranks)."""
+        from trainer.data.packing import PackLayout
+
+        self._chunk_frames()
+        if self.ulysses is not None:
+            raise ValueError("a packed rollout does not run under context parallel (cp_size > 1)")
+        lengths = [int(t.shape[0]) for t in texts]
+        txt = self.text_embedder(torch.cat(texts)[None])
+        ids, real = PackLayout((), tuple(lengths)).text_ids(txt.device), torch.cat(text_masks)
+        plan = plan_packed(self.cfg.attention_backend, ids, ids, real, head_dim=self.cfg.head_dim,
+                           dtype=self._compute_dtype(txt.device))
+        if plan is None:
+            plan = AttentionPlan("sdpa", None, PackLayout((), tuple(lengths)).text_mask(text_masks))
+        per_sample: list[list] = [[] for _ in texts]
+        for i, block in enumerate(self.blocks):
+            out = block(txt, None, text_plan=plan, need_text_output=i + 1 < len(self.blocks))
+            txt = out.txt
+            for sample, k, v in zip(per_sample, *(x.split(lengths, dim=1) for x in out.text_kv)):
+                sample.append((k, v))
+        return PackedKVCache(per_sample, list(text_masks), [[] for _ in texts], [0] * len(texts))
+
+    def _run_chunk_packed(self, xs, ts, rs, cache: PackedKVCache, samples: list[int],
+                          collect_kv: bool):
+        """The next chunk [C, Tc_i, H_i, W_i] of each sample in `samples` (each at its own
+        cache.next_frame), as one pack: (predictions, per-sample per-layer (k, v) or None)."""
+        if len(xs) != len(samples) or len(ts) != len(samples):
+            raise ValueError(f"{len(samples)} samples but {len(xs)} chunks and {len(ts)} times")
+        chunk_latent = self.cfg.causal_chunk_size
+        pt, ph, pw = self.cfg.patch_size
+        conds, slots, positions, vids, lens, grids = [], [], [], [], [], []
+        for x, t, r, i in zip(xs, ts, rs, samples):
+            _, frames, h, w = self._check_video(x[None], "x_chunk")
+            start = cache.next_frame[i]
+            if frames > chunk_latent or start % chunk_latent:
+                raise ValueError(f"sample {i}: a chunk of {frames} latent frames at frame {start}; "
+                                 f"chunks hold at most {chunk_latent} and start at its multiples")
+            grid = (frames // pt, h // ph, w // pw)
+            r = None if r is None else torch.as_tensor(r, device=x.device)[None]
+            cond = self._conditioning(torch.as_tensor(t, device=x.device)[None], r, 1, frames,
+                                      x.device)
+            # One slot per token, after the slots of the samples before (as forward_packed).
+            per_frame = torch.arange(grid[0], device=x.device).repeat_interleave(grid[1] * grid[2])
+            offset = sum(c.shape[1] for c in conds)
+            slots.append(offset + (per_frame if cond.shape[1] > 1 else 0 * per_frame))
+            conds.append(cond)
+            positions.append(grid_positions(*grid, start // pt, x.device))
+            vids.append(self._patchify(x[None]))
+            lens.append(grid[0] * grid[1] * grid[2])
+            grids.append((frames, h, w))
+        vid = torch.cat(vids, dim=1)
+        query_ids = torch.repeat_interleave(torch.tensor(samples, device=vid.device),
+                                            torch.tensor(lens, device=vid.device))
+        prefix = [cache.prefix(samples, layer) for layer in range(len(self.blocks))]
+        _, _, key_ids, used = prefix[0]
+        key_ids = torch.cat([query_ids, key_ids])
+        used = torch.cat([torch.ones_like(query_ids, dtype=torch.bool), used])
+        plan = plan_packed(self.cfg.attention_backend, query_ids, key_ids, used,
+                           head_dim=self.cfg.head_dim, dtype=self._compute_dtype(vid.device))
+        if plan is None:  # SDPA: each query sees its own sample's used keys
+            mask = (query_ids[:, None] == key_ids[None, :]) & used[None, :]
+            plan = AttentionPlan("sdpa", None, mask[None, None])
+        out, kv = self._run(vid, torch.cat(conds, dim=1), torch.cat(slots), torch.cat(positions),
+                            plan, past=[(k, v) for k, v, _, _ in prefix], collect_kv=collect_kv)
+        preds = [self._unpatchify(o, *g)[0] for o, g in zip(out.split(lens, dim=1), grids)]
+        if not collect_kv:
+            return preds, None
+        split = [[(k, v) for k, v in zip(*(x.split(lens, dim=1) for x in layer_kv))]
+                 for layer_kv in kv]  # [layer][sample]
+        return preds, [[layer[j] for layer in split] for j in range(len(samples))]
+
+    def forward_chunk_packed(self, xs: list[torch.Tensor], ts: list[Any], cache: PackedKVCache,
+                             samples: list[int], rs: list[Any] | None = None) -> list[torch.Tensor]:
+        """Predictions [C_out, Tc_i, H_i, W_i] for the next chunk of each sample in `samples`
+        (indices into the cache's pack), reading (never changing) the cache: each equals
+        forward_chunk on that sample alone with its own cache. ts, rs: raw times per sample
+        (scalar or [Tc_i]). Raises ValueError for mismatched lists or a chunk that is not the
+        sample's next."""
+        rs = [None] * len(xs) if rs is None else rs
+        return self._run_chunk_packed(xs, ts, rs, cache, samples, collect_kv=False)[0]
+
+    @torch.no_grad()
+    def commit_chunk_packed(self, xs: list[torch.Tensor], cache: PackedKVCache,
+                            samples: list[int]) -> None:
+        """commit_chunk for each sample in `samples`, as one pack: its clean chunk run at t = 0
+        (and r = 0), its detached K/V appended to its cache, the window applied per sample."""
+        zeros = [torch.zeros((), device=x.device) for x in xs]
+        rs = [None if self.r_embedder is None else z for z in zeros]
+        _, kv = self._run_chunk_packed(xs, zeros, rs, cache, samples, collect_kv=True)
+        window = self.cfg.attn_window_chunks
+        for i, x, sample_kv in zip(samples, xs, kv):
+            cache.chunks[i].append(sample_kv)
+            if window is not None:
+                del cache.chunks[i][: max(0, len(cache.chunks[i]) - window)]
+            cache.next_frame[i] += x.shape[1]
 
 ACTIVATION_MEMORY_BUDGET = 0.93  # of compiled blocks; see compile_transformer_blocks
 

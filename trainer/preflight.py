@@ -155,12 +155,11 @@ def _validate_data_keys(args: ResolvedArgs) -> None:
     if args.packing_token_budget is not None:
         _check(args.packing_token_budget >= 1,
                f"`packing_token_budget` must be >= 1 or null, got {args.packing_token_budget}.")
-        _check(args.stage != "dmd_sgf",
-               "`packing_token_budget` is set but Stage2 (dmd_sgf) cannot train on packs: its "
-               "student rolls each batch out chunk by chunk through one KV cache, which holds "
-               "samples of one shape, and the teacher and critic score that rollout as one "
-               "batch. Set packing_token_budget: null (Stage2 batches are stacked, so its data "
-               "needs one latent shape per stream).")
+        _check(args.stage != "dmd_sgf" or args.cp_size == 1,
+               f"`packing_token_budget` is set for Stage2 (dmd_sgf) with cp_size {args.cp_size}: "
+               "its packed rollout keeps each pack's KV cache whole on one rank, and is not split "
+               "over a cp group. Set cp_size: 1 (a pack's budget bounds its memory instead), or "
+               "packing_token_budget: null to roll out stacked batches under cp.")
     if args.image_sample_prob is not None:
         _check(0.0 <= args.image_sample_prob <= 1.0,
                f"`image_sample_prob` must lie in [0, 1] or be null, got {args.image_sample_prob}.")
@@ -399,7 +398,7 @@ def describe_plan(args: ResolvedArgs, world_size: int, ranks_per_node: int | Non
 
     mesh = _mesh(args, world_size, ranks_per_node)
     accum = args.gradient_accumulation_steps
-    global_batch = args.train_batch_size * accum * mesh.dp_world
+    budget = args.packing_token_budget
     cfg = model_config(args)
     video = _video_tokens(args, cfg)
     estimate = estimate_memory(
@@ -407,22 +406,40 @@ def describe_plan(args: ResolvedArgs, world_size: int, ranks_per_node: int | Non
         shard_group=mesh.shard_group, cp=mesh.cp, batch_per_rank=args.train_batch_size,
         video_tokens=video or 0, text_tokens=args.text_max_tokens,
         checkpointing=args.enable_gradient_checkpointing,
-        selective=args.use_dedicated_gradient_checkpointing)
-    lines = [f"topology: {mesh.describe()}",
-             f"global batch: train_batch_size {args.train_batch_size} x gradient accumulation "
-             f"{accum} x dp {mesh.dp_world} = {global_batch} samples a step",
+        selective=args.use_dedicated_gradient_checkpointing, pack_budget=budget)
+    if budget is None:
+        batch = (f"global batch: train_batch_size {args.train_batch_size} x gradient accumulation "
+                 f"{accum} x dp {mesh.dp_world} = {args.train_batch_size * accum * mesh.dp_world} "
+                 f"samples a step")
+    else:  # trainer.data.order.BatchPlan: a micro-batch is one pack
+        batch = (f"global batch: 1 pack of <= {budget} joint tokens (packing_token_budget; "
+                 f"train_batch_size is not used) x gradient accumulation {accum} x dp "
+                 f"{mesh.dp_world} = {accum * mesh.dp_world} packs a step")
+    lines = [f"topology: {mesh.describe()}", batch,
              "memory per GPU (estimate, trainer.memory_estimate):", estimate.describe()]
-    if video is None:
+    if video is None and budget is None:
         lines.append("  (activations left out: the data's latent shape is not readable here)")
     text = "\n".join(lines)
     if args.gpu_memory_gib is not None and estimate.total_gib > args.gpu_memory_gib:
+        fix = ("enable_gradient_checkpointing, lower train_batch_size" if budget is None
+               else f"enable_gradient_checkpointing, {_budget_that_fits(args, estimate)}")
         raise ConfigError(
             f"stage {args.stage} does not fit the GPU: ~{estimate.total_gib:.1f} GiB per GPU "
             f"needed, gpu_memory_gib is {args.gpu_memory_gib:g}.\n{text}\nShard over more "
             f"ranks (hybrid_shard: false or a larger shard_group_size), turn on "
-            f"enable_gradient_checkpointing, lower train_batch_size, or split the sequence "
-            f"with cp_size.")
+            f"{fix}, or split the sequence with cp_size.")
     return text
+
+
+def _budget_that_fits(args: ResolvedArgs, estimate) -> str:
+    """The advice on packing_token_budget when a pack does not fit: activations grow in
+    proportion to the budget, so the room left after everything else scales it down."""
+    room = args.gpu_memory_gib - (estimate.total_gib - estimate.activations_gib)
+    largest = int(args.packing_token_budget * room / estimate.activations_gib) if room > 0 else 0
+    if largest < 1:
+        return ("lower packing_token_budget (though no budget fits: the states, working set "
+                "and overhead alone exceed gpu_memory_gib)")
+    return f"lower packing_token_budget to at most ~{largest} (the activations scale with it)"
 
 
 def _video_tokens(args: ResolvedArgs, cfg: dict) -> int | None:

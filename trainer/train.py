@@ -220,13 +220,13 @@ def _validate(stage, args: ResolvedArgs, step: int, out: Path, topo: Topology) -
     """Rank 0 samples, scores and writes; a failure is logged, never fatal to training.
 
     A sharded model needs every rank in each forward (the blocks' all-gathers), so then every
-    rank samples the same seeded captions and only rank 0 keeps the files.
+    rank samples the same seeded captions; only rank 0 decodes, scores and keeps the files.
     """
     scores: dict = {}
     if topo.is_main or topo.fsdp_mesh is not None:
         try:
             scores = run_validation(stage, args, step, out, stage.data.latent_shape,
-                                    write=topo.is_main)
+                                    main=topo.is_main)
         except Exception:
             log.exception("validation at step %d failed; training goes on", step)
     barrier()

@@ -2,7 +2,8 @@
 
 Every `validation_interval` steps (and at the end of the run) rank 0 samples a fixed, seeded
 subset of the evaluation captions with the stage's own sampler, for the live weights and/or
-the EMA, and writes
+the EMA (under FSDP every rank samples too, since each forward gathers the sharded blocks,
+but only rank 0 decodes, scores and writes), and writes
 
     samples/step-<N>/grid.png              every caption's clip, captioned, one block per weights
     samples/step-<N>/<weights>/grid.png    one row of frames per caption
@@ -49,65 +50,84 @@ def validation_captions(count: int, generator: str = "shapes") -> list[str]:
 
 
 def run_validation(stage, args, step: int, output_dir: Path, latent_shape,
-                   write: bool = True) -> dict:
+                   main: bool = True) -> dict:
     """Sample, score and save; returns metrics {"val/<weights>/colour_accuracy": ...}.
 
-    write=False samples and scores without touching the disk (the other ranks of a sharded
-    model, which must take part in every forward).
+    main=False only samples and returns {}: the other ranks of a sharded model, which must take
+    part in every forward (the blocks' all-gathers) but leave the VAE decode, the pixel checks
+    and the files to the main rank, whose samples are the same (one seeded generator).
     """
-    from trainer.evaluate import evaluation_suite, summary_scores
-    from trainer.files import write_json
-    from trainer.media import write_validation_files
-    from trainer.sampling import sampler_for, sampler_settings, sampling_shift
-    from trainer.media import write_validation_grid
-    from trainer.vae import latents_to_clips
+    from trainer.evaluate import summary_scores
+    from trainer.sampling import sampler_settings
 
     started = time.perf_counter()
     generator = args.get("synthetic_generator", "shapes")
     captions = validation_captions(args.validation_num_captions, generator)
-    score_clips = evaluation_suite(generator)[1]
     steps, guidance = sampler_settings(args)
-    model = stage.sampling_model()
-    encoder = stage.text_encoder
-    device = next(model.parameters()).device
-    text, mask = encoder.encode(captions)
-    null_text, null_mask = encoder.null_embedding()
-    sampler = sampler_for(args.stage)
     out = output_dir / "samples" / f"step-{step}"
     manifest = {"step": step, "stage": args.stage, "captions": captions, "sampler_steps": steps,
                 "guidance": guidance, "seed": args.validation_seed, "weights": {}}
-    metrics = {}
-    blocks = []
-    was_training = model.training
-    model.eval()
-    try:
-        for weights, context in _weight_contexts(stage, model, args.validation_weights):
-            with context:
-                latents = sampler(model, text.to(device), mask.to(device), null_text.to(device),
-                                  null_mask.to(device), shape=(len(captions), *latent_shape),
-                                  steps=steps, guidance=guidance,
-                                  shift=sampling_shift(args),
-                                  generator=torch.Generator().manual_seed(args.validation_seed))
-            clips = latents_to_clips(latents, args.vae_path)
-            scores = score_clips(clips, captions)
-            files = write_validation_files(clips, out / weights) if write else {}
-            summary = summary_scores(scores)
-            manifest["weights"][weights] = {**summary, "per_caption": scores["per_caption"],
-                                            "files": files}
-            metrics.update({f"val/{weights}/{k}": v for k, v in summary.items()})
-            blocks.append(_grid_block(output_dir.name, step, weights, clips, captions, scores))
-    finally:
-        model.train(was_training)
-    if write:
-        out.mkdir(parents=True, exist_ok=True)
-        manifest["grid"] = str(write_validation_grid(out / "grid.png", blocks))
-        write_json(out / "manifest.json", manifest)
+    # Every set of weights is sampled before anything is decoded: a decode that fails on the
+    # main rank must not leave the others waiting in a forward it no longer runs.
+    sampled = list(_sample_each_weights(stage, args, captions, latent_shape, steps, guidance))
+    if not main:
+        return {}
+    from trainer.files import write_json
+    from trainer.media import write_validation_grid
+
+    metrics, blocks = {}, []
+    for weights, latents in sampled:
+        clips, scores, files = _decode_and_score(args, generator, latents, captions, out / weights)
+        summary = summary_scores(scores)
+        manifest["weights"][weights] = {**summary, "per_caption": scores["per_caption"],
+                                        "files": files}
+        metrics.update({f"val/{weights}/{k}": v for k, v in summary.items()})
+        blocks.append(_grid_block(output_dir.name, step, weights, clips, captions, scores))
+    out.mkdir(parents=True, exist_ok=True)
+    manifest["grid"] = str(write_validation_grid(out / "grid.png", blocks))
+    write_json(out / "manifest.json", manifest)
     seconds = time.perf_counter() - started
     log.info("validation step %d: %s -> %s (%.1f s)", step,
              ", ".join(f"{k} {v:.0%}" for k, v in metrics.items()), out, seconds)
     # What validation costs the run: docs/training.md breaks a run's time down with it.
     metrics["val/seconds"] = seconds
     return metrics
+
+
+def _sample_each_weights(stage, args, captions: list[str], latent_shape, steps: int,
+                         guidance: float):
+    """(weights name, sampled latents [captions, C, T, H, W]) for each validated set of
+    weights; the model is in eval mode while sampling and back in its mode between yields."""
+    from trainer.sampling import sampler_for, sampling_shift
+
+    model = stage.sampling_model()
+    device = next(model.parameters()).device
+    text, mask = stage.text_encoder.encode(captions)
+    null_text, null_mask = stage.text_encoder.null_embedding()
+    sampler = sampler_for(args.stage)
+    for weights, context in _weight_contexts(stage, model, args.validation_weights):
+        was_training = model.training
+        model.eval()
+        try:
+            with context:
+                latents = sampler(model, text.to(device), mask.to(device), null_text.to(device),
+                                  null_mask.to(device), shape=(len(captions), *latent_shape),
+                                  steps=steps, guidance=guidance, shift=sampling_shift(args),
+                                  generator=torch.Generator().manual_seed(args.validation_seed))
+        finally:
+            model.train(was_training)
+        yield weights, latents
+
+
+def _decode_and_score(args, generator: str, latents, captions: list[str], out: Path):
+    """(uint8 clips, the pixel checker's report, the files written under `out`)."""
+    from trainer.evaluate import evaluation_suite
+    from trainer.media import write_validation_files
+    from trainer.vae import latents_to_clips
+
+    clips = latents_to_clips(latents, args.vae_path)
+    scores = evaluation_suite(generator)[1](clips, captions)
+    return clips, scores, write_validation_files(clips, out)
 
 
 def _grid_block(run: str, step: int, weights: str, clips, captions, scores):

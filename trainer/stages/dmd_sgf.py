@@ -15,6 +15,10 @@ a fresh no-grad rollout x_hat, FM loss of the critic on it (§7.6). EMA of the s
 its updates, counted in student updates (§7.8a, §9). Every step also logs what the health
 gate (trainer.health) watches: dmd_grad_rms, critic_loss_rel (the critic's FM loss over its
 first value) and generator_critic_loss_ratio.
+
+A micro-batch may be a pack of samples of different shapes (packing_token_budget): each sample
+draws and loses what it would alone, the models run the pack at once, and the losses are the
+per-sample means (the *_packed methods; docs/stages.md, "On packs").
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ import torch
 from torch import nn
 
 from trainer import flow
-from trainer.distributed import mean_across_ranks
+from trainer.distributed import max_across_ranks, mean_across_ranks
 from trainer.sample_draws import SampleDraws, step_generator
 from trainer.stages import rollout as ro
-from trainer.stages.base import Stage, WarmStartSource, autocast_context, clip_and_check
+from trainer.stages.base import (Stage, WarmStartSource, autocast_context, batch_to_device,
+                                 clip_and_check)
 
 N = flow.NUM_TRAIN_TIMESTEPS
 
@@ -110,6 +115,34 @@ def critic_x0(critic: nn.Module, x_noisy: torch.Tensor, sigma_frames: torch.Tens
     """The critic's conditional x0 = x - sigma F_critic(x | c) (no guidance), float32."""
     v = critic(x_noisy, sigma_frames * N, captions.text, captions.mask)
     return flow.x0_from_velocity(_work(x_noisy), sigma_frames, _work(v))
+
+
+def teacher_x0_packed(teacher: nn.Module, x_noisys: list[torch.Tensor],
+                      sigma_frames: list[torch.Tensor], captions: Captions,
+                      guidance_scale: float) -> list[torch.Tensor]:
+    """teacher_x0 over a pack (x_noisys[i] [1, C, T_i, H_i, W_i], sigma_frames[i] [1, T_i],
+    captions.text / mask: lists [L_i, D] / [L_i]): both branches in one packed forward."""
+    xs, ts, n = [x[0] for x in x_noisys], [s[0] * N for s in sigma_frames], len(x_noisys)
+    w = 1.0 + guidance_scale
+    if w == 1.0:
+        v = teacher.forward_packed(xs, ts, list(captions.text), list(captions.mask))
+    else:
+        null = captions.null_text.to(captions.text[0])
+        null_mask = captions.null_mask.to(captions.mask[0].device)
+        both = teacher.forward_packed(xs + xs, ts + ts, [*captions.text, *[null] * n],
+                                      [*captions.mask, *[null_mask] * n])
+        v = [u + w * (c - u) for c, u in zip(both[:n], both[n:])]
+    return [flow.x0_from_velocity(_work(x), s, _work(vi[None]))
+            for x, s, vi in zip(x_noisys, sigma_frames, v)]
+
+
+def critic_x0_packed(critic: nn.Module, x_noisys: list[torch.Tensor],
+                     sigma_frames: list[torch.Tensor], captions: Captions) -> list[torch.Tensor]:
+    """critic_x0 over a pack (arguments as teacher_x0_packed)."""
+    v = critic.forward_packed([x[0] for x in x_noisys], [s[0] * N for s in sigma_frames],
+                              list(captions.text), list(captions.mask))
+    return [flow.x0_from_velocity(_work(x), s, _work(vi[None]))
+            for x, s, vi in zip(x_noisys, sigma_frames, v)]
 
 
 def _work(x: torch.Tensor) -> torch.Tensor:
@@ -196,6 +229,7 @@ class DMDSGFStage(Stage):
         self.last_generator: dict[str, float] = {}
         self.critic_loss_start: float | None = None  # the first critic loss of this Stage2
         self.tokens_per_sample = 0
+        self.last_batch_samples = 0
 
     # ---- one outer step ------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, float]:
@@ -204,9 +238,9 @@ class DMDSGFStage(Stage):
         samples = 0
         if is_student_step(k, self.interval):
             numbers.update(self._student_update(step))
-            samples += self.args.train_batch_size
+            samples += self.last_batch_samples
         critic = self._critic_update(step)
-        samples += self.args.train_batch_size
+        samples += self.last_batch_samples
         numbers.update(critic)
         numbers.update(self.last_generator)
         numbers.update(self._health_numbers(critic["critic_loss"]))
@@ -222,10 +256,13 @@ class DMDSGFStage(Stage):
         batch = self._next_batch()
         captions = self._captions(batch)
         draws = self._draws(batch, step)
+        packed = bool(batch.get("packed"))
+        sample = self.student_sample_packed if packed else self.student_sample
+        losses = self.generator_loss_packed if packed else self.generator_loss
         with autocast_context(self.device, args.dtype):
-            x_hat, frame_mask, exit_index = self.student_sample(
+            x_hat, frame_mask, exit_index = sample(
                 batch, with_grad=True, draws=draws, exit_generator=self._exit_generator(step, 0))
-            loss, stats = self.generator_loss(x_hat, frame_mask, captions, draws)
+            loss, stats = losses(x_hat, frame_mask, captions, draws)
         loss.backward()
         loss_value = mean_across_ranks(float(loss.detach()))
         grad_norm = clip_and_check(step, self.student, loss_value, args.max_grad_norm)
@@ -246,12 +283,14 @@ class DMDSGFStage(Stage):
         batch = self._next_batch()
         captions = self._captions(batch)
         draws = self._draws(batch, step)
+        packed = bool(batch.get("packed"))
+        sample = self.student_sample_packed if packed else self.student_sample
         with autocast_context(self.device, args.dtype):
             with torch.no_grad():
-                x_hat, frame_mask, _ = self.student_sample(
-                    batch, with_grad=False, draws=draws,
-                    exit_generator=self._exit_generator(step, 1))
-            loss = self.critic_loss(x_hat, frame_mask, captions, draws)
+                x_hat, frame_mask, _ = sample(batch, with_grad=False, draws=draws,
+                                              exit_generator=self._exit_generator(step, 1))
+            losses = self.critic_loss_packed if packed else self.critic_loss
+            loss = losses(x_hat, frame_mask, captions, draws)
         loss.backward()
         loss_value = mean_across_ranks(float(loss.detach()))
         grad_norm = clip_and_check(step, self.critic, loss_value, args.critic_max_grad_norm)
@@ -351,6 +390,74 @@ class DMDSGFStage(Stage):
         velocity = self.critic(x_noisy, s * N, captions.text, captions.mask)
         return critic_flow_loss(velocity, x_hat, noise, frame_mask)
 
+    # ---- packs: the same draws, forwards and losses per sample, the model run once a pack --
+    def student_sample_packed(self, batch: dict, *, with_grad: bool, draws: SampleDraws,
+                              exit_generator: torch.Generator):
+        """student_sample for a pack (trainer.data.loader.collate_pack): (x_hat per sample
+        [1, C, T_i, H_i, W_i], loss frame mask per sample [1, T_i], exit index). Each sample
+        draws what it draws alone, in the same order; the rollout, the replay, the teacher and
+        the critic run the pack at once (trainer.stages.rollout.simulate_packed_rollout)."""
+        x0s = [x[None] for x in batch["latents"]]
+        texts, masks = batch["text"], batch["text_mask"]
+        ones = [draws.one(i) for i in range(len(x0s))]
+        anchored = [self._anchored(one) for one in ones]
+        anchors = [x0[:, :, :1] if a is not None else None for x0, a in zip(x0s, anchored)]
+        exit_index = ro.sample_exit_index(len(self.sigmas), exit_generator)
+        sigma = self.sigmas[exit_index]
+        noises = [one.normal_like(x0) for one, x0 in zip(ones, x0s)]
+        frame_masks = [ro.loss_frame_mask(a, 1, x0.shape[2], x0.device)
+                       for x0, a in zip(x0s, anchored)]
+        if self.args.rollout_mode == "data_latent":
+            noisys = [flow.interpolate(x0, noise, ro.frame_sigmas(sigma, 1, x0.shape[2], a,
+                                                                  device=x0.device))
+                      for x0, noise, a in zip(x0s, noises, anchored)]
+            cleans = x0s
+        else:
+            chunk = self.student.cfg.causal_chunk_size
+            # Every rank runs as many chunk rounds as the longest pack of any rank holds.
+            rounds = max_across_ranks(max(-(-x0.shape[2] // chunk) for x0 in x0s))
+            rollout = ro.simulate_packed_rollout(self.student, noises, texts, masks, self.sigmas,
+                                                 exit_index, anchors=anchors, anchored=anchored,
+                                                 draws=ones, rounds=rounds)
+            if not with_grad:
+                return rollout.output, frame_masks, exit_index
+            noisys, cleans = rollout.noisy_at_exit, rollout.output
+        with torch.set_grad_enabled(with_grad):
+            x_hats = ro.replay_exit_packed(self.student, noisys, cleans, sigma, texts, masks,
+                                           anchors=anchors, anchored=anchored)
+        return x_hats, frame_masks, exit_index
+
+    def _score_points(self, x_hats, frame_masks, draws: SampleDraws):
+        """_score_point of each sample of a pack, from its own draws: lists of its fields."""
+        points = [self._score_point(x, m, draws.one(i))
+                  for i, (x, m) in enumerate(zip(x_hats, frame_masks))]
+        return tuple(list(field) for field in zip(*points))
+
+    def generator_loss_packed(self, x_hats: list[torch.Tensor], frame_masks: list[torch.Tensor],
+                              captions: Captions, draws: SampleDraws):
+        """The mean over the pack's samples of each one's generator_loss, and diagnostics."""
+        with torch.no_grad():
+            sigmas, s, _, x_noisy = self._score_points(x_hats, frame_masks, draws)
+            real = teacher_x0_packed(self.teacher, x_noisy, s, captions,
+                                     self.args.real_guidance_scale)
+            fake = critic_x0_packed(self.critic, x_noisy, s, captions)
+            gs = [dmd_gradient(x.detach(), f, r, m)
+                  for x, f, r, m in zip(x_hats, fake, real, frame_masks)]
+        loss = torch.stack([dmd_surrogate_loss(x, g, m)
+                            for x, g, m in zip(x_hats, gs, frame_masks)]).mean()
+        squares = sum(float(g.square().sum()) for g in gs) / sum(g.numel() for g in gs)
+        return loss, {"score_sigma_mean": float(torch.cat(sigmas).mean()),
+                      "dmd_grad_rms": squares ** 0.5}
+
+    def critic_loss_packed(self, x_hats: list[torch.Tensor], frame_masks: list[torch.Tensor],
+                           captions: Captions, draws: SampleDraws) -> torch.Tensor:
+        """The mean over the pack's samples of each one's critic_loss, the critic run once."""
+        _, s, noise, x_noisy = self._score_points(x_hats, frame_masks, draws)
+        velocity = self.critic.forward_packed([x[0] for x in x_noisy], [si[0] * N for si in s],
+                                              list(captions.text), list(captions.mask))
+        return torch.stack([critic_flow_loss(v[None], x, n, m) for v, x, n, m
+                            in zip(velocity, x_hats, noise, frame_masks)]).mean()
+
     def _anchored(self, draws: SampleDraws) -> torch.Tensor | None:
         """Which samples keep their first latent frame as a clean anchor (image_cond_prob)."""
         if self.args.image_cond_prob <= 0:
@@ -361,11 +468,14 @@ class DMDSGFStage(Stage):
         return Captions(batch["text"], batch["text_mask"], self.null_text, self.null_mask)
 
     def _next_batch(self) -> dict:
-        batch = {k: (v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
-                 for k, v in self.data.next_batch().items()}
+        batch = batch_to_device(self.data.next_batch(), self.device)
         pt, ph, pw = self.student.cfg.patch_size
-        _, _, t, h, w = batch["latents"].shape
-        self.tokens_per_sample = (t // pt) * (h // ph) * (w // pw)
+        shapes = ([x.shape for x in batch["latents"]] if batch.get("packed")
+                  else [batch["latents"].shape[1:]] * batch["latents"].shape[0])
+        self.last_batch_samples = len(shapes)
+        # A pack's mean, so samples x tokens_per_sample is its total.
+        self.tokens_per_sample = sum((t // pt) * (h // ph) * (w // pw)
+                                     for _, t, h, w in shapes) // len(shapes)
         return batch
 
     # ---- init, checkpoints, sampling -------------------------------------------------------

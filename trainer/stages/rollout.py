@@ -21,6 +21,9 @@ docs/stages.md records the choice; tests pin which parameters see which gradient
 
 Image conditioning: with `anchored` [B] bool and `anchor` [B, C, 1, H, W], frame 0 of an
 anchored sample is the clean anchor at t = 0 everywhere (in every forward, in the output).
+
+Packs (samples of different shapes): `simulate_packed_rollout` and `replay_exit_packed` do the
+same per sample, the model running the pack at once through a packed KV cache.
 """
 
 from __future__ import annotations
@@ -306,3 +309,93 @@ def sample_student(model: nn.Module, text: torch.Tensor, text_mask: torch.Tensor
     out = simulate_rollout(student, noise, sigmas, len(sigmas) - 1, anchor=anchor,
                            anchored=anchored, generator=generator)
     return out.output
+
+
+# ---- the rollout over a pack (Stage2 on packs) ----------------------------------------------
+
+@dataclass
+class PackedRollout:
+    """A rollout over a pack: per sample [1, C, T_i, H_i, W_i] as Rollout's fields."""
+
+    noisy_at_exit: list[torch.Tensor]
+    output: list[torch.Tensor]
+    exit_index: int
+
+
+def simulate_packed_rollout(model: nn.Module, noises: list[torch.Tensor], texts, text_masks,
+                            sigmas: list[float], exit_index: int, *,
+                            anchors: list[torch.Tensor | None], anchored: list[torch.Tensor | None],
+                            draws: list[SampleDraws], rounds: int) -> PackedRollout:
+    """simulate_rollout (grad_at_exit False) for the samples of a pack at once, without
+    gradient: noises[i] [1, C, T_i, H_i, W_i], texts[i] [L_i, D] (bool masks [L_i]); each
+    sample's re-noising draws from its own draws[i] (anchors / anchored as simulate_rollout's,
+    per sample). Round c runs chunk c of every sample that has one through one packed KV cache
+    (VideoDiT.forward_chunk_packed), so each sample gets what its own rollout gives. `rounds`
+    (>= the pack's chunks) is what every rank of a sharded model runs: a round with no chunk
+    left runs the same forwards on a placeholder chunk and drops them (trainer.distributed.
+    max_across_ranks agrees on it). Raises ValueError for an exit index outside the list.
+    """
+    if not 0 <= exit_index < len(sigmas):
+        raise ValueError(f"exit index {exit_index} outside the {len(sigmas)}-step list")
+    chunk = model.cfg.causal_chunk_size
+    with torch.no_grad():
+        cache = model.new_packed_kv_cache(list(texts), list(text_masks))
+        noisy_parts = [[] for _ in noises]
+        outputs = [[] for _ in noises]
+        for c in range(rounds):
+            start = c * chunk
+            active = [i for i, x in enumerate(noises) if x.shape[2] > start]
+            if not active:
+                _idle_round(model, noises[0][0, :, :chunk], texts[0], text_masks[0],
+                            forwards=exit_index + 2)  # the steps to the exit, and the commit
+                continue
+            xs = [noises[i][:, :, start:start + chunk] for i in active]
+            xs = [apply_anchor(x, anchors[i], anchored[i]) if start == 0 else x
+                  for x, i in zip(xs, active)]
+            x_at_exit, x0s = _denoise_packed_chunk(model, cache, xs, active, sigmas, exit_index,
+                                                   start, anchors, anchored, draws)
+            for i, x, x0 in zip(active, x_at_exit, x0s):
+                noisy_parts[i].append(x)
+                outputs[i].append(x0)
+            model.commit_chunk_packed([x0[0] for x0 in x0s], cache, active)
+    return PackedRollout([torch.cat(p, dim=2) for p in noisy_parts],
+                         [torch.cat(o, dim=2) for o in outputs], exit_index)
+
+
+def _denoise_packed_chunk(model, cache, xs, active, sigmas, exit_index, start, anchors, anchored,
+                          draws):
+    """_denoise_chunk for the chunks xs ([1, C, Tc_i, H_i, W_i]) of the samples `active`."""
+    for j, sigma in enumerate(sigmas):
+        here = [anchored[i] if start == 0 else None for i in active]
+        s = [frame_sigmas(sigma, 1, x.shape[2], a, device=x.device, dtype=_time_dtype(x))
+             for x, a in zip(xs, here)]
+        v = model.forward_chunk_packed([x[0] for x in xs], [si[0] * N for si in s], cache, active)
+        x0s = [apply_anchor(flow.x0_from_velocity(x, si, vi[None].to(x.dtype)), anchors[i], a)
+               for x, si, vi, i, a in zip(xs, s, v, active, here)]
+        if j == exit_index:
+            return xs, x0s
+        xs = [apply_anchor(flow.interpolate(x0, _randn(x0.shape, x0, draws[i]), sigmas[j + 1]),
+                           anchors[i], a) for x0, i, a in zip(x0s, active, here)]
+    raise AssertionError("unreachable: the exit index is checked by simulate_packed_rollout")
+
+
+def _idle_round(model, placeholder: torch.Tensor, text, text_mask, *, forwards: int) -> None:
+    """`forwards` forwards whose outputs are dropped: a rank whose pack has no chunk left still
+    takes part in the sharded model's all-gathers of the others' rounds. A packed forward of
+    one placeholder chunk gathers what a chunk forward gathers (the root, then each block's
+    modulation and the block); the finished samples' caches allow no further chunk."""
+    for _ in range(forwards):
+        model.forward_packed([torch.zeros_like(placeholder)], [0.0], [text], [text_mask])
+
+
+def replay_exit_packed(model: nn.Module, noisys: list[torch.Tensor], cleans: list[torch.Tensor],
+                       sigma: float, texts, text_masks, *, anchors, anchored) -> list[torch.Tensor]:
+    """replay_exit over a pack, in one packed teacher-forcing forward in the caller's grad mode:
+    each x_hat [1, C, T_i, H_i, W_i] equals replay_exit on that sample alone."""
+    s = [frame_sigmas(sigma, 1, n.shape[2], a, device=n.device, dtype=_time_dtype(n))
+         for n, a in zip(noisys, anchored)]
+    v = model.forward_teacher_forcing_packed([n[0] for n in noisys],
+                                             [c[0].detach() for c in cleans],
+                                             [si[0] * N for si in s], list(texts), list(text_masks))
+    return [apply_anchor(flow.x0_from_velocity(n, si, vi[None].to(n.dtype)), a_x, a)
+            for n, si, vi, a_x, a in zip(noisys, s, v, anchors, anchored)]
