@@ -183,13 +183,14 @@ class _NoHash:
 
 @contextlib.contextmanager
 def hashing_off():
-    """Saves inside this block take no checksums (they record zeros: never load them)."""
-    saved = checksums.new_hasher
-    checksums.new_hasher = _NoHash
+    """Saves inside this block take no checksums (they record zeros: never load them), and
+    start no hashing threads: the pair measures everything the checksums add."""
+    saved = checksums.new_hasher, checksums.OVERLAP_MIN_BYTES
+    checksums.new_hasher, checksums.OVERLAP_MIN_BYTES = _NoHash, sys.maxsize
     try:
         yield
     finally:
-        checksums.new_hasher = saved
+        checksums.new_hasher, checksums.OVERLAP_MIN_BYTES = saved
 
 
 @contextlib.contextmanager

@@ -12,7 +12,9 @@ zip record. torch.load never checks that CRC, and it cost a quarter of a save's 
   copies it into the destination. Fresh pages cost a page fault each, which made loads run
   at a third of the disk's speed. This reader finds where a saved tensor's bytes lie in its
   zip record and reads them straight into the destination tensor. For a destination on
-  another device, or one that is not contiguous, it reads into one reused host buffer.
+  another device, or one that is not contiguous, it reads into one of two reused host buffers
+  (pinned for a GPU) and copies from there; a copy to the GPU runs while the next tensor is
+  read into the other buffer.
 - Verification. It reads each file's items in offset order and hashes every byte on the
   way, so a file read whole is verified without a second read. A checksum that does not
   match raises CheckpointError. Files a rank reads only in part (a resharded load) are left
@@ -114,17 +116,18 @@ class DirectFileSystemReader(FileSystemReader):
         per_file: dict[str, list[Any]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        scratch = _HostBuffer()
+        staging = _Staging()
         for name, items in per_file.items():
             items.sort(key=lambda item: self.storage_data[item.storage_index].offset)
-            self._read_file(name, items, planner, scratch)
+            self._read_file(name, items, planner, staging)
         done: Future = Future()
         done.set_result(None)
         return done
 
     def _read_file(self, name: str, items: list[Any], planner: LoadPlanner,
-                   scratch: "_HostBuffer") -> None:
+                   staging: "_Staging") -> None:
         expected = self.checksums.get(name)
+        filled = []  # (item, target): committed once the copies into them have finished
         with open(Path(self.path) / name, "rb", buffering=0) as handle:
             stream = _HashingReader(handle, hashing=expected is not None)
             for item in items:
@@ -134,9 +137,12 @@ class DirectFileSystemReader(FileSystemReader):
                     planner.load_bytes(item, io.BytesIO(stream.read_exact(info.length)))
                 else:
                     target = planner.resolve_tensor(item).detach()
-                    _read_tensor(stream, info, item, target, scratch)
-                    planner.commit_tensor(item, target)
+                    _read_tensor(stream, info, item, target, staging)
+                    filled.append((item, target))
             digest = stream.digest_if_whole(os.fstat(handle.fileno()).st_size)
+        staging.wait()
+        for item, target in filled:
+            planner.commit_tensor(item, target)
         if digest is not None:
             self._check(name, digest)
 
@@ -225,20 +231,64 @@ class _HashingReader:
         return self._hasher.hexdigest()
 
 
-class _HostBuffer:
-    """One growing CPU byte buffer, reused for every tensor that cannot be read in place."""
+class _Staging:
+    """Two host buffers, taken in turn, for tensors that cannot be read in place.
+
+    A tensor bound for the GPU is read into one buffer and copied from it asynchronously
+    (the buffers are pinned for that), so the next tensor is read into the other buffer while
+    the copy runs. A buffer is reused only once its last copy has finished. Copies into CPU
+    tensors finish before they return; they take the same path.
+    """
 
     def __init__(self) -> None:
-        self._buffer = torch.empty(0, dtype=torch.uint8)
+        self._slots = [_StagingSlot(), _StagingSlot()]
+        self._turn = 0
 
-    def view(self, nbytes: int) -> torch.Tensor:
-        if self._buffer.numel() < nbytes:
-            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
-        return self._buffer[:nbytes]
+    def take(self, nbytes: int, device: torch.device) -> "_StagingSlot":
+        """A slot whose `bytes` holds at least `nbytes` and is no longer being copied from."""
+        slot = self._slots[self._turn]
+        self._turn ^= 1
+        slot.wait()
+        slot.reserve(nbytes, pinned=device.type == "cuda")
+        return slot
+
+    def wait(self) -> None:
+        """Return once every copy out of the buffers has finished."""
+        for slot in self._slots:
+            slot.wait()
+
+
+class _StagingSlot:
+    def __init__(self) -> None:
+        self.bytes = torch.empty(0, dtype=torch.uint8)
+        self._pinned = False
+        self._copied: Any = None  # a CUDA event recorded after the last copy out, until waited
+
+    def reserve(self, nbytes: int, *, pinned: bool) -> None:
+        # A pinned buffer serves CPU targets too: pinning is slow, so it is never undone.
+        if self.bytes.numel() < nbytes or (pinned and not self._pinned):
+            self.bytes = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+            self._pinned = pinned
+
+    def copy_to(self, target: torch.Tensor) -> None:
+        """Copy the first bytes of the buffer, as `target`'s dtype and shape, into `target`."""
+        nbytes = target.numel() * target.element_size()
+        source = self.bytes[:nbytes].view(target.dtype).view(target.shape)
+        if target.device.type != "cuda":
+            target.copy_(source)
+            return
+        target.copy_(source, non_blocking=True)  # from pinned memory: returns at once
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def wait(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
 
 
 def _read_tensor(stream: _HashingReader, info: Any, item: Any, target: torch.Tensor,
-                 scratch: _HostBuffer) -> None:
+                 staging: _Staging) -> None:
     """Fill `target` from the record at `info` (the stream is at its start), reading the
     tensor's bytes in place where the record allows it."""
     head = stream.read_exact(min(info.length, _HEAD_BYTES))
@@ -257,14 +307,15 @@ def _read_tensor(stream: _HashingReader, info: Any, item: Any, target: torch.Ten
         target.copy_(record)
         return
     in_place = target.device.type == "cpu" and target.is_contiguous()
-    raw = target.view(-1).view(torch.uint8) if in_place else scratch.view(found.nbytes)
+    slot = None if in_place else staging.take(found.nbytes, target.device)
+    raw = target.view(-1).view(torch.uint8) if slot is None else slot.bytes[:found.nbytes]
     view = memoryview(raw.numpy())
     # The head already holds the first of the tensor's bytes; the rest goes straight in.
     early = min(len(head) - found.offset, found.nbytes)
     view[:early] = head[found.offset:found.offset + early]
     stream.readinto_exact(view[early:])
-    if not in_place:
-        target.copy_(raw.view(target.dtype).view(target.shape))
+    if slot is not None:
+        slot.copy_to(target)
     consumed = len(head) + found.nbytes - early
     stream.read_exact(info.length - consumed)  # the zip entries after the tensor's bytes
 
