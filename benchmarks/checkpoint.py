@@ -3,6 +3,7 @@
     python benchmarks/checkpoint.py [--size-mb 300] [--dir /path/on/the/checkpoint/disk]
                                     [--repeats 3] [--json benchmarks/results/checkpoint.json]
     python benchmarks/checkpoint.py --profile 15     # where one save and one cold load spend time
+    python benchmarks/checkpoint.py --hash-thread on|off   # force where checksums are computed
 
 What it measures, all in one run and on one directory (so on one disk):
 
@@ -369,6 +370,7 @@ def environment() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "hash_on_a_second_thread": checksums.HASH_BESIDE,
         "cpu_model": _cpu_model(),
         "loadavg_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
     }
@@ -446,11 +448,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--device", default="cpu",
                         help="where the model and optimizer live: cpu (default) or cuda")
+    parser.add_argument("--hash-thread", choices=("auto", "on", "off"), default="auto",
+                        help="hash on a second thread beside writes and reads: auto (relay's "
+                             "choice: where more than two cores are usable), on, off")
     parser.add_argument("--profile", type=int, default=0, metavar="TOP",
                         help="instead: profile one save and one cold load, print the TOP functions")
     ns = parser.parse_args(argv)
     global DEVICE
     DEVICE = torch.device(ns.device)
+    if ns.hash_thread != "auto":
+        checksums.HASH_BESIDE = ns.hash_thread == "on"
     base = ns.dir or Path(tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="relay-ckpt-bench-", dir=base))
@@ -472,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     print(f"relay checkpoint benchmark: torch {env['torch']}, state on {env['device']}, "
           f"{env['cpus']} CPUs ({env['cpu_model']}), {results['directory']}, "
-          f"median of {ns.repeats}")
+          f"median of {ns.repeats}, hashing "
+          f"{'on a second thread' if checksums.HASH_BESIDE else 'inline'}")
     print_table(results["summary"])
     if ns.json:
         ns.json.parent.mkdir(parents=True, exist_ok=True)

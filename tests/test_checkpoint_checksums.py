@@ -3,8 +3,8 @@
 Real saves and loads of toy models on real files. Each corruption keeps the file's size, so
 only the checksum can notice it. The loader reads big tensors in place and small ones through
 torch.load; `in_place` runs the same tests with every tensor read in place, and `threaded`
-also takes the paths of big tensors: every write hashed on a second thread beside it, every
-read beside a reader thread, in 4 KiB pieces.
+also hashes every write and read on a second thread (the path of hosts with more than two
+cores), in 4 KiB pieces.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def io_path(request, monkeypatch):
     if request.param == "threaded":
         monkeypatch.setattr(checksums, "PIECE", 4096)
         monkeypatch.setattr(checksums, "OVERLAP_MIN_BYTES", 0)
-        monkeypatch.setattr(dcp_files, "_OVERLAP_MIN_PIECES", 2)
+        monkeypatch.setattr(checksums, "HASH_BESIDE", True)
     return request.param
 
 
@@ -105,8 +105,11 @@ def test_complete_records_every_file_with_the_xxh3_of_its_bytes(tmp_path, io_pat
     assert torch.serialization.get_crc32_options() is True
 
 
-def test_a_shard_of_tensors_larger_than_the_overlap_threshold_records_its_xxh3(tmp_path):
-    # Writes this large are hashed on a second thread while they are written.
+@pytest.mark.parametrize("beside", [False, True], ids=["inline", "on_a_second_thread"])
+def test_a_shard_of_tensors_larger_than_the_overlap_threshold_records_its_xxh3(
+        tmp_path, monkeypatch, beside):
+    # Where cores are free, writes this large are hashed on a second thread while written.
+    monkeypatch.setattr(checksums, "HASH_BESIDE", beside)
     big = torch.randn(checksums.OVERLAP_MIN_BYTES // 4 + 12345)
     digests = save_dcp({"big": big, "small": torch.arange(10)}, tmp_path / "m")
     shard = tmp_path / "m" / "__0_0.distcp"
