@@ -16,10 +16,10 @@ zip record. torch.load never checks that CRC, and it cost a quarter of a save's 
   (pinned for a GPU) and copies from there; a copy to the GPU runs while the next tensor is
   read into the other buffer.
 - Verification. It reads each file's items in offset order and hashes every byte on the
-  way (on a second thread, beside the reads), so a file read whole is verified without a
-  second read. A checksum that does not
-  match raises CheckpointError. Files a rank reads only in part (a resharded load) are left
-  out of `verified`; trainer.dcp_io hashes those from disk after the load.
+  way (on a second thread where a core is free for it: trainer.checksums.HASH_BESIDE), so a
+  file read whole is verified without a second read. A checksum that does not match raises
+  CheckpointError. Files a rank reads only in part (a resharded load) are left out of
+  `verified`; trainer.dcp_io hashes those from disk after the load.
 
 Anything unusual (a narrowed read, a transform, another dtype, a big-endian record) takes
 DCP's own path, torch.load of the record, and is hashed all the same.
