@@ -193,11 +193,15 @@ def test_in_place_reads_fill_every_dtype_and_strided_destination_exactly(tmp_pat
         load_dcp_in_place(fresh, tmp_path / "m", checksums=wrong)
 
 
-def test_strided_destinations_fill_exactly_through_the_two_staging_buffers(tmp_path, monkeypatch):
+@pytest.mark.parametrize("beside", [False, True], ids=["hash_inline", "hash_on_a_second_thread"])
+def test_strided_destinations_fill_exactly_through_the_two_staging_buffers(
+        tmp_path, monkeypatch, beside):
     # Tensors that cannot be read in place go through two host buffers in turn (on a GPU the
     # copy out of one overlaps the read into the other); sizes that grow and shrink make the
-    # buffers grow and serve smaller tensors afterwards.
+    # buffers grow and serve smaller tensors afterwards. A buffer is overwritten only once
+    # the hashing thread is done with it.
     monkeypatch.setattr(dcp_files, "DIRECT_READ_MIN_BYTES", 0)
+    monkeypatch.setattr(checksums, "HASH_BESIDE", beside)
     torch.manual_seed(0)
     shapes = [(40, 30), (300, 70), (8, 9), (500, 64), (20, 20)]
     saved = {f"t{i}": torch.randn(shape) for i, shape in enumerate(shapes)}
