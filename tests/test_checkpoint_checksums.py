@@ -1,10 +1,9 @@
 """Checksums in COMPLETE: taken while saving, checked while loading, bit rot quarantined.
 
 Real saves and loads of toy models on real files. Each corruption keeps the file's size, so
-only the checksum can notice it. The loader reads big tensors in place and small ones through
-torch.load; `in_place` runs the same tests with every tensor read in place, and `threaded`
-also hashes every write and read on a second thread (the path of hosts with more than two
-cores), in 4 KiB pieces.
+only the checksum can notice it. The loader reads tensors in place; `threaded` runs the same
+tests with every write and read hashed on a second thread (the path of hosts with more than
+two cores), in 4 KiB pieces.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import torch.nn as nn
 import xxhash
 
 import trainer.checksums as checksums
-import trainer.dcp_files as dcp_files
 from trainer.checkpoint import (
     COMPLETE_FILE,
     QUARANTINE_REASON_FILE,
@@ -33,10 +31,8 @@ from trainer.checkpoint import (
 from trainer.dcp_io import DCPError, load_dcp_in_place, read_dcp_state_dict, save_dcp
 
 
-@pytest.fixture(params=["default", "in_place", "threaded"])
+@pytest.fixture(params=["inline", "threaded"])
 def io_path(request, monkeypatch):
-    if request.param in ("in_place", "threaded"):
-        monkeypatch.setattr(dcp_files, "DIRECT_READ_MIN_BYTES", 0)
     if request.param == "threaded":
         monkeypatch.setattr(checksums, "PIECE", 4096)
         monkeypatch.setattr(checksums, "OVERLAP_MIN_BYTES", 0)
@@ -171,7 +167,6 @@ def test_a_shard_read_only_in_part_is_hashed_from_disk(tmp_path):
 
 
 def test_in_place_reads_fill_every_dtype_and_strided_destination_exactly(tmp_path, monkeypatch):
-    monkeypatch.setattr(dcp_files, "DIRECT_READ_MIN_BYTES", 0)
     torch.manual_seed(0)
     saved = {"f32": torch.randn(300, 70), "bf16": torch.randn(64, 33).to(torch.bfloat16),
              "i64": torch.randint(-2**40, 2**40, (1000,)), "flag": torch.rand(77) > 0.5,
@@ -200,7 +195,6 @@ def test_strided_destinations_fill_exactly_through_the_two_staging_buffers(
     # copy out of one overlaps the read into the other); sizes that grow and shrink make the
     # buffers grow and serve smaller tensors afterwards. A buffer is overwritten only once
     # the hashing thread is done with it.
-    monkeypatch.setattr(dcp_files, "DIRECT_READ_MIN_BYTES", 0)
     monkeypatch.setattr(checksums, "HASH_BESIDE", beside)
     torch.manual_seed(0)
     shapes = [(40, 30), (300, 70), (8, 9), (500, 64), (20, 20)]
