@@ -1,8 +1,9 @@
 """Checksums in COMPLETE: taken while saving, checked while loading, bit rot quarantined.
 
 Real saves and loads of toy models on real files. Each corruption keeps the file's size, so
-only the checksum can notice it. The loader reads big tensors in place and small ones through
-torch.load; `in_place` runs the same tests with every tensor read in place.
+only the checksum can notice it. The loader reads tensors in place; `threaded` runs the same
+tests with every write and read hashed on a second thread (the path of hosts with more than
+two cores), in 4 KiB pieces.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.nn as nn
 import xxhash
 
-import trainer.dcp_files as dcp_files
+import trainer.checksums as checksums
 from trainer.checkpoint import (
     COMPLETE_FILE,
     QUARANTINE_REASON_FILE,
@@ -30,10 +31,12 @@ from trainer.checkpoint import (
 from trainer.dcp_io import DCPError, load_dcp_in_place, read_dcp_state_dict, save_dcp
 
 
-@pytest.fixture(params=["default", "in_place"])
-def read_mode(request, monkeypatch):
-    if request.param == "in_place":
-        monkeypatch.setattr(dcp_files, "DIRECT_READ_MIN_BYTES", 0)
+@pytest.fixture(params=["inline", "threaded"])
+def io_path(request, monkeypatch):
+    if request.param == "threaded":
+        monkeypatch.setattr(checksums, "PIECE", 4096)
+        monkeypatch.setattr(checksums, "OVERLAP_MIN_BYTES", 0)
+        monkeypatch.setattr(checksums, "HASH_BESIDE", True)
     return request.param
 
 
@@ -87,7 +90,7 @@ def _resume(out: Path) -> tuple[Run, Path | None]:
     return run, find_resume_checkpoint(out, load)
 
 
-def test_complete_records_every_file_with_the_xxh3_of_its_bytes(tmp_path):
+def test_complete_records_every_file_with_the_xxh3_of_its_bytes(tmp_path, io_path):
     path = Run(0).save(tmp_path, 3)
     info = json.loads((path / COMPLETE_FILE).read_text())
     assert info["checksum"] == "xxh3_64"
@@ -98,11 +101,22 @@ def test_complete_records_every_file_with_the_xxh3_of_its_bytes(tmp_path):
     assert torch.serialization.get_crc32_options() is True
 
 
+@pytest.mark.parametrize("beside", [False, True], ids=["inline", "on_a_second_thread"])
+def test_a_shard_of_tensors_larger_than_the_overlap_threshold_records_its_xxh3(
+        tmp_path, monkeypatch, beside):
+    # Where cores are free, writes this large are hashed on a second thread while written.
+    monkeypatch.setattr(checksums, "HASH_BESIDE", beside)
+    big = torch.randn(checksums.OVERLAP_MIN_BYTES // 4 + 12345)
+    digests = save_dcp({"big": big, "small": torch.arange(10)}, tmp_path / "m")
+    shard = tmp_path / "m" / "__0_0.distcp"
+    assert digests["__0_0.distcp"] == xxhash.xxh3_64(shard.read_bytes()).hexdigest()
+
+
 @pytest.mark.parametrize("victim", ["transformer/__0_0.distcp", "optimizer/__0_0.distcp",
                                     "transformer/.metadata", "training_state.pt",
                                     "dataloader/0.json"])
 def test_resume_quarantines_a_checkpoint_with_8_flipped_bytes_and_takes_the_previous_one(
-        tmp_path, victim, read_mode):
+        tmp_path, victim, io_path):
     first, _ = _two_checkpoints(tmp_path)
     file = tmp_path / "checkpoint-2" / victim
     size = file.stat().st_size
@@ -120,7 +134,7 @@ def test_resume_quarantines_a_checkpoint_with_8_flipped_bytes_and_takes_the_prev
     assert "checksum mismatch" in reason and victim.split("/")[-1] in reason
 
 
-def test_an_intact_checkpoint_loads_the_exact_weights(tmp_path, read_mode):
+def test_an_intact_checkpoint_loads_the_exact_weights(tmp_path, io_path):
     _, second = _two_checkpoints(tmp_path)
     run, found = _resume(tmp_path)
     assert found == tmp_path / "checkpoint-2"
@@ -153,7 +167,6 @@ def test_a_shard_read_only_in_part_is_hashed_from_disk(tmp_path):
 
 
 def test_in_place_reads_fill_every_dtype_and_strided_destination_exactly(tmp_path, monkeypatch):
-    monkeypatch.setattr(dcp_files, "DIRECT_READ_MIN_BYTES", 0)
     torch.manual_seed(0)
     saved = {"f32": torch.randn(300, 70), "bf16": torch.randn(64, 33).to(torch.bfloat16),
              "i64": torch.randint(-2**40, 2**40, (1000,)), "flag": torch.rand(77) > 0.5,
@@ -175,8 +188,30 @@ def test_in_place_reads_fill_every_dtype_and_strided_destination_exactly(tmp_pat
         load_dcp_in_place(fresh, tmp_path / "m", checksums=wrong)
 
 
+@pytest.mark.parametrize("beside", [False, True], ids=["hash_inline", "hash_on_a_second_thread"])
+def test_strided_destinations_fill_exactly_through_the_two_staging_buffers(
+        tmp_path, monkeypatch, beside):
+    # Tensors that cannot be read in place go through two host buffers in turn (on a GPU the
+    # copy out of one overlaps the read into the other); sizes that grow and shrink make the
+    # buffers grow and serve smaller tensors afterwards. A buffer is overwritten only once
+    # the hashing thread is done with it.
+    monkeypatch.setattr(checksums, "HASH_BESIDE", beside)
+    torch.manual_seed(0)
+    shapes = [(40, 30), (300, 70), (8, 9), (500, 64), (20, 20)]
+    saved = {f"t{i}": torch.randn(shape) for i, shape in enumerate(shapes)}
+    digests = save_dcp(saved, tmp_path / "m")
+    fresh = {key: torch.zeros(value.shape[::-1]).t() for key, value in saved.items()}
+    assert not any(value.is_contiguous() for value in fresh.values())
+    load_dcp_in_place(fresh, tmp_path / "m", checksums=digests)
+    for key, value in saved.items():
+        assert torch.equal(fresh[key], value), key
+    _flip_8_bytes_in_the_middle(tmp_path / "m" / "__0_0.distcp")
+    with pytest.raises(DCPError, match="__0_0.distcp: checksum mismatch"):
+        load_dcp_in_place(fresh, tmp_path / "m", checksums=digests)
+
+
 def test_a_warm_start_or_export_from_a_checkpoint_with_flipped_bytes_fails_naming_the_file(
-        tmp_path, read_mode):
+        tmp_path, io_path):
     from trainer.warm_start import load_warm_start, read_weights, resolve_weights_source
 
     run = Run(0)
@@ -193,7 +228,7 @@ def test_a_warm_start_or_export_from_a_checkpoint_with_flipped_bytes_fails_namin
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_model_on_the_gpu_resumes_exactly_and_its_bit_rot_is_caught(tmp_path, read_mode):
+def test_a_model_on_the_gpu_resumes_exactly_and_its_bit_rot_is_caught(tmp_path, io_path):
     # GPU destinations are filled through the reused host buffer, then copied to the device.
     def on_gpu(seed: int) -> Run:
         run = Run(seed)

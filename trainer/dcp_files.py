@@ -12,11 +12,14 @@ zip record. torch.load never checks that CRC, and it cost a quarter of a save's 
   copies it into the destination. Fresh pages cost a page fault each, which made loads run
   at a third of the disk's speed. This reader finds where a saved tensor's bytes lie in its
   zip record and reads them straight into the destination tensor. For a destination on
-  another device, or one that is not contiguous, it reads into one reused host buffer.
+  another device, or one that is not contiguous, it reads into one of two reused host buffers
+  (pinned for a GPU) and copies from there; a copy to the GPU runs while the next tensor is
+  read into the other buffer.
 - Verification. It reads each file's items in offset order and hashes every byte on the
-  way, so a file read whole is verified without a second read. A checksum that does not
-  match raises CheckpointError. Files a rank reads only in part (a resharded load) are left
-  out of `verified`; trainer.dcp_io hashes those from disk after the load.
+  way (on a second thread where a core is free for it: trainer.checksums.HASH_BESIDE), so a
+  file read whole is verified without a second read. A checksum that does not match raises
+  CheckpointError. Files a rank reads only in part (a resharded load) are left out of
+  `verified`; trainer.dcp_io hashes those from disk after the load.
 
 Anything unusual (a narrowed read, a transform, another dtype, a big-endian record) takes
 DCP's own path, torch.load of the record, and is hashed all the same.
@@ -26,9 +29,7 @@ from __future__ import annotations
 
 import io
 import os
-import queue
-import threading
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import IO, Any, Iterator, Mapping
 
@@ -42,9 +43,6 @@ from trainer import checksums
 from trainer.checkpoint_layout import CheckpointError, checksum_mismatch
 from trainer.torch_record import locate_tensor_bytes
 
-# Below this a record is read whole and torch.loaded: the page faults that reading in place
-# saves are few, and one read beats three.
-DIRECT_READ_MIN_BYTES = 1 << 20
 # A tensor record's zip entries before its bytes take a few hundred bytes: one page holds them.
 _HEAD_BYTES = 4096
 
@@ -114,19 +112,20 @@ class DirectFileSystemReader(FileSystemReader):
         per_file: dict[str, list[Any]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        scratch = _HostBuffer()
+        staging = _Staging()
         for name, items in per_file.items():
             items.sort(key=lambda item: self.storage_data[item.storage_index].offset)
-            self._read_file(name, items, planner, scratch)
+            self._read_file(name, items, planner, staging)
         done: Future = Future()
         done.set_result(None)
         return done
 
     def _read_file(self, name: str, items: list[Any], planner: LoadPlanner,
-                   scratch: "_HostBuffer") -> None:
+                   staging: "_Staging") -> None:
         expected = self.checksums.get(name)
-        with open(Path(self.path) / name, "rb", buffering=0) as handle:
-            stream = _HashingReader(handle, hashing=expected is not None)
+        filled = []  # (item, target): committed once the copies into them have finished
+        with open(Path(self.path) / name, "rb", buffering=0) as handle, \
+                closing(_HashingReader(handle, hashing=expected is not None)) as stream:
             for item in items:
                 info = self.storage_data[item.storage_index]
                 stream.seek(info.offset)
@@ -134,9 +133,12 @@ class DirectFileSystemReader(FileSystemReader):
                     planner.load_bytes(item, io.BytesIO(stream.read_exact(info.length)))
                 else:
                     target = planner.resolve_tensor(item).detach()
-                    _read_tensor(stream, info, item, target, scratch)
-                    planner.commit_tensor(item, target)
+                    _read_tensor(stream, info, item, target, staging)
+                    filled.append((item, target))
             digest = stream.digest_if_whole(os.fstat(handle.fileno()).st_size)
+        staging.wait()
+        for item, target in filled:
+            planner.commit_tensor(item, target)
         if digest is not None:
             self._check(name, digest)
 
@@ -151,18 +153,21 @@ class DirectFileSystemReader(FileSystemReader):
         self.verified.add(name)
 
 
-# Reads of at least this many pieces hash beside a reader thread (below: not worth a thread).
-_OVERLAP_MIN_PIECES = 8
-
-
 class _HashingReader:
-    """Reads a file and hashes its bytes, as long as the reads follow each other in order."""
+    """Reads a file and hashes its bytes, as long as the reads follow each other in order.
+
+    With `checksums.HASH_BESIDE` the bytes are hashed on a second thread, each read while the
+    next one runs; `close()` stops that thread. Otherwise each 1 MiB piece is hashed right
+    after it is read, while it is still in the cache.
+    """
 
     def __init__(self, handle: IO[bytes], *, hashing: bool) -> None:
         self._handle = handle
         self._hasher = checksums.new_hasher() if hashing else None
+        self._beside = checksums.BackgroundHasher(self._hasher) \
+            if hashing and checksums.HASH_BESIDE else None
         self._position = 0  # where the next read starts
-        self._hashed_to = 0  # bytes [0, hashed_to) went through the hasher, in order
+        self._hashed_to = 0  # bytes [0, hashed_to) went to the hasher, in order
 
     def seek(self, offset: int) -> None:
         if offset != self._position:
@@ -171,9 +176,14 @@ class _HashingReader:
 
     def _hash(self, data: Any) -> None:
         if self._hasher is not None and self._position == self._hashed_to:
-            self._hasher.update(data)
+            (self._beside or self._hasher).update(data)
             self._hashed_to += len(data)
         self._position += len(data)
+
+    def wait_hashed(self) -> None:
+        """Return once the bytes read so far are hashed: their memory may then be reused."""
+        if self._beside is not None:
+            self._beside.wait()
 
     def read_exact(self, n: int) -> bytearray:
         data = bytearray(n)
@@ -181,34 +191,18 @@ class _HashingReader:
         return data
 
     def readinto_exact(self, view: memoryview) -> None:
-        pieces = [view[i:i + checksums.PIECE] for i in range(0, len(view), checksums.PIECE)]
-        if self._hasher is None or len(pieces) < _OVERLAP_MIN_PIECES:
-            for piece in pieces:  # each hashed while still in the cache
+        if self._beside is None:
+            for start in range(0, len(view), checksums.PIECE):
+                piece = view[start:start + checksums.PIECE]
                 self._fill(piece)
                 self._hash(piece)
             return
-        # A reader thread fills the next pieces while this one hashes the last: the kernel's
-        # copy releases the GIL, so the hash costs no time beside a read on another core.
-        ready: queue.SimpleQueue = queue.SimpleQueue()
-
-        def fill() -> None:
-            try:
-                for piece in pieces:
-                    self._fill(piece)
-                    ready.put(piece)
-            except BaseException as exc:  # handed to the hashing side, which raises it
-                ready.put(exc)
-
-        reader = threading.Thread(target=fill, name="checkpoint-read", daemon=True)
-        reader.start()
-        try:
-            for _ in pieces:
-                piece = ready.get()
-                if isinstance(piece, BaseException):
-                    raise piece
-                self._hash(piece)
-        finally:
-            reader.join()
+        for start in range(0, len(view), checksums.PIECE):
+            self._fill(view[start:start + checksums.PIECE])
+        # The hashing thread takes the whole read at once and hashes it while the next one
+        # runs. Handing it each 1 MiB piece instead woke it (and switched the GIL) 300 times
+        # per 300 MB; on busy cores each switch waited for the scheduler.
+        self._hash(view)
 
     def _fill(self, piece: memoryview) -> None:
         filled = 0
@@ -219,31 +213,82 @@ class _HashingReader:
             filled += got
 
     def digest_if_whole(self, size: int) -> str | None:
-        """The file's checksum if every byte was hashed in order, else None."""
-        if self._hasher is None or self._hashed_to != size:
+        """The file's checksum if every byte was hashed in order, else None. Closes the reader."""
+        complete = self._beside is None or self._beside.finish()
+        if self._hasher is None or not complete or self._hashed_to != size:
             return None
         return self._hasher.hexdigest()
 
+    def close(self) -> None:
+        if self._beside is not None:
+            self._beside.finish()
 
-class _HostBuffer:
-    """One growing CPU byte buffer, reused for every tensor that cannot be read in place."""
+
+class _Staging:
+    """Two host buffers, taken in turn, for tensors that cannot be read in place.
+
+    A tensor bound for the GPU is read into one buffer and copied from it asynchronously
+    (the buffers are pinned for that), so the next tensor is read into the other buffer while
+    the copy runs. A buffer is reused only once its last copy has finished. Copies into CPU
+    tensors finish before they return; they take the same path.
+    """
 
     def __init__(self) -> None:
-        self._buffer = torch.empty(0, dtype=torch.uint8)
+        self._slots = [_StagingSlot(), _StagingSlot()]
+        self._turn = 0
 
-    def view(self, nbytes: int) -> torch.Tensor:
-        if self._buffer.numel() < nbytes:
-            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
-        return self._buffer[:nbytes]
+    def take(self, nbytes: int, device: torch.device) -> "_StagingSlot":
+        """A slot whose `bytes` holds at least `nbytes` and is no longer being copied from."""
+        slot = self._slots[self._turn]
+        self._turn ^= 1
+        slot.wait()
+        slot.reserve(nbytes, pinned=device.type == "cuda")
+        return slot
+
+    def wait(self) -> None:
+        """Return once every copy out of the buffers has finished."""
+        for slot in self._slots:
+            slot.wait()
+
+
+class _StagingSlot:
+    def __init__(self) -> None:
+        self.bytes = torch.empty(0, dtype=torch.uint8)
+        self._pinned = False
+        self._copied: Any = None  # a CUDA event recorded after the last copy out, until waited
+
+    def reserve(self, nbytes: int, *, pinned: bool) -> None:
+        # A pinned buffer serves CPU targets too: pinning is slow, so it is never undone.
+        if self.bytes.numel() < nbytes or (pinned and not self._pinned):
+            self.bytes = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+            self._pinned = pinned
+
+    def copy_to(self, target: torch.Tensor) -> None:
+        """Copy the first bytes of the buffer, as `target`'s dtype and shape, into `target`."""
+        nbytes = target.numel() * target.element_size()
+        source = self.bytes[:nbytes].view(target.dtype).view(target.shape)
+        if target.device.type != "cuda":
+            target.copy_(source)
+            return
+        target.copy_(source, non_blocking=True)  # from pinned memory: returns at once
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def wait(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
 
 
 def _read_tensor(stream: _HashingReader, info: Any, item: Any, target: torch.Tensor,
-                 scratch: _HostBuffer) -> None:
+                 staging: _Staging) -> None:
     """Fill `target` from the record at `info` (the stream is at its start), reading the
     tensor's bytes in place where the record allows it."""
     head = stream.read_exact(min(info.length, _HEAD_BYTES))
-    found = locate_tensor_bytes(bytes(head)) if info.length >= DIRECT_READ_MIN_BYTES \
-        and not info.transform_descriptors and not any(item.storage_offsets) else None
+    # Small records too: torch.loading each took a third of a ms, which for the hundreds of
+    # norms and biases of a transformer was 40% of a load from the page cache.
+    found = locate_tensor_bytes(bytes(head)) \
+        if not info.transform_descriptors and not any(item.storage_offsets) else None
     if found is None or found.dtype != target.dtype or found.shape != tuple(item.lengths) \
             or found.shape != tuple(target.shape) or found.offset > len(head) \
             or found.offset + found.nbytes > info.length:
@@ -257,14 +302,18 @@ def _read_tensor(stream: _HashingReader, info: Any, item: Any, target: torch.Ten
         target.copy_(record)
         return
     in_place = target.device.type == "cpu" and target.is_contiguous()
-    raw = target.view(-1).view(torch.uint8) if in_place else scratch.view(found.nbytes)
+    slot = None
+    if not in_place:
+        stream.wait_hashed()  # a staging buffer is about to be overwritten
+        slot = staging.take(found.nbytes, target.device)
+    raw = target.view(-1).view(torch.uint8) if slot is None else slot.bytes[:found.nbytes]
     view = memoryview(raw.numpy())
     # The head already holds the first of the tensor's bytes; the rest goes straight in.
     early = min(len(head) - found.offset, found.nbytes)
     view[:early] = head[found.offset:found.offset + early]
     stream.readinto_exact(view[early:])
-    if not in_place:
-        target.copy_(raw.view(target.dtype).view(target.shape))
+    if slot is not None:
+        slot.copy_to(target)
     consumed = len(head) + found.nbytes - early
     stream.read_exact(info.length - consumed)  # the zip entries after the tensor's bytes
 
