@@ -45,14 +45,21 @@ def test_every_forward_of_the_model_matches_the_unsplit_model(tmp_path, ranks):
         # this rank's heads only (4 heads in all).
         padded = math.ceil(5 / ranks) * ranks
         assert result.pop("cached_text") == {"whole": [5, 4], "split": [padded, 4 // ranks]}
+        # A packed rollout caches each caption whole for this rank's heads, the last one
+        # with the pack's padding (11 caption tokens: 12 keys in all).
+        last = 3 + math.ceil(11 / ranks) * ranks - 11
+        assert result.pop("cached_pack") == {"whole": [[3, 4], [5, 4], [3, 4]],
+                                             "split": [[3, 4 // ranks], [5, 4 // ranks],
+                                                       [last, 4 // ranks]]}
         assert set(result) == {"bidirectional", "unmasked_caption", "per_frame_times",
-                               "block_causal", "teacher_forcing", "kv_rollout", "packed"}
+                               "block_causal", "teacher_forcing", "kv_rollout", "packed",
+                               "packed_rollout"}
         for case, diff in result.items():  # float64: only the order of sums differs
             assert diff["out"] < 1e-12, (case, diff)
             if "grad" in diff:
                 assert diff["grad"] < 1e-12 * diff["grad_scale"], (case, diff)
             # A block's text stream holds ceil(L / size) of the caption's L tokens per rank.
-            length = 11 if case == "packed" else 5
+            length = 11 if case.startswith("packed") else 5
             assert diff["text_tokens"] == {"whole": [length],
                                            "split": [math.ceil(length / ranks)]}, case
 
