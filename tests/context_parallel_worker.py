@@ -5,7 +5,7 @@ model unsplit on the same inputs. Captions of 5 tokens (one with 3 real ones) an
 output and gradient differences of each case (gradients: the group's sum over size, see
 trainer.context_parallel), the caption tokens a block's text stream held in each model, how
 much the output moves when one rank's share of the caption changes, the heads a rollout's
-caption cache keeps, and the message of a split that must be refused."""
+caption cache keeps (stacked and packed), and the message of a split that must be refused."""
 
 from __future__ import annotations
 
@@ -97,6 +97,32 @@ def packed(m: VideoDiT) -> torch.Tensor:
     return torch.cat([p.flatten() for p in m.forward_packed(xs, ts, texts, masks)])
 
 
+CACHED_PACK = {}  # [caption keys, heads] of each caption a packed rollout caches
+
+
+def packed_rollout(m: VideoDiT) -> torch.Tensor:
+    """A KV-cached rollout over a pack of 4, 3 and 1 latent frames at three sizes (4, 1 and 6
+    tokens a frame) with captions of 3, 5 (3 real) and 3 tokens: chunks of 14 and 9 tokens
+    and 11 caption tokens, padded to split over 2 and 4 ranks. The cache is built with
+    gradients, so the captions' keys and values are trained through it."""
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(3, *s, generator=g, dtype=torch.float64)
+          for s in ((4, 4, 4), (3, 2, 2), (1, 4, 6))]
+    texts = [torch.randn(n, 16, generator=g, dtype=torch.float64) for n in (3, 5, 3)]
+    masks = [torch.ones(n, dtype=torch.bool) for n in (3, 5, 3)]
+    masks[1][3:] = False
+    cache = m.new_packed_kv_cache(texts, masks)
+    CACHED_PACK["whole" if m.ulysses is None else "split"] = [
+        list(sample[0][0].shape[1:3]) for sample in cache.text_kv]
+    first = m.forward_chunk_packed([x[:, :2] for x in xs],
+                                   [700.0, torch.tensor([200.0, 600.0]).double(), 300.0], cache,
+                                   [0, 1, 2], rs=[350.0, None, 100.0])
+    m.commit_chunk_packed([x[:, :2].flip(1) for x in xs[:2]], cache, [0, 1])
+    second = m.forward_chunk_packed([xs[0][:, 2:], xs[1][:, 2:]],
+                                    [torch.tensor([500.0, 100.0]).double(), 800.0], cache, [0, 1])
+    return torch.cat([p.flatten() for p in (*first, *second)])
+
+
 def caption_sensitivity(x, caption, mask) -> list[float]:
     """For each cp rank, the largest change of the unsplit model's output when the caption
     tokens that rank holds (j % size == rank) change: large, or the comparisons above could
@@ -133,7 +159,9 @@ def main(out: Path) -> None:
     compare("kv_rollout", lambda: model(causal_chunk_size=2),
             lambda m: rollout(m, caption, mask, x), results)
     compare("packed", model, packed, results)
+    compare("packed_rollout", lambda: model(**causal), packed_rollout, results)
     results["cached_text"] = CACHED_TEXT
+    results["cached_pack"] = CACHED_PACK
     results["caption_share_moves_output"] = caption_sensitivity(x, caption, mask)
     odd = model()
     attach(odd, dist.group.WORLD, dist.get_world_size(), dist.get_rank())

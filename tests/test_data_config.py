@@ -51,8 +51,6 @@ def test_a_seed_config_with_every_data_key_loads(tmp_path):
     (["--packed_dataloader_prefetch_factor", "0"], "prefetch_factor` must be >= 1"),
     (["--packing_token_budget", "0"], "packing_token_budget` must be >= 1"),
     (["--conditioning_schema", "[t2v, t2i]"], "unknown task.*t2i"),
-    (["--stage", "dmd_sgf", "--cp_size", "2"],
-     "Stage2 \\(dmd_sgf\\) with cp_size 2: its packed rollout"),
     (["--text_encoder", "/nonexistent/encoder"], "neither 'standin' nor a directory"),
 ])
 def test_contradictory_data_settings_are_refused(tmp_path, cli, message):
@@ -67,10 +65,12 @@ def test_a_block_causal_model_and_stage1_accept_packs(tmp_path):
                     "{causal_chunk_size: 2, two_time: true}", "--use_ema", "true").packing_token_budget == 4096
 
 
-def test_stage2_accepts_packs_at_cp_one():
+@pytest.mark.parametrize("cp", [1, 2])
+def test_stage2_accepts_packs_with_and_without_context_parallel(cp):
     from test_dmd_sgf import stage_args
 
-    assert stage_args(packing_token_budget=4096).packing_token_budget == 4096
+    args = stage_args(packing_token_budget=4096, cp_size=cp)
+    assert (args.packing_token_budget, args.cp_size) == (4096, cp)
 
 
 def test_resume_video_csv_without_separate_streams_warns_it_has_no_effect(tmp_path):

@@ -33,7 +33,10 @@ boundaries when size divides n: rank r's share of run g is its local tokens [g n
 (g + 1) n / size), so the one-vector-per-run fast path of the model still applies. Runs of one
 token (a pack's per-token slots) are strided like the tokens. Any other run length is refused
 (trainer.preflight says so before a run starts: tokens per latent frame must divide by
-cp_size). A pack's video tokens are padded to a multiple of size by VideoDiT.forward_packed.
+cp_size). A pack's video tokens are padded to a multiple of size by the model
+(VideoDiT.forward_packed, and each chunk round of a packed rollout), the padding a sequence of
+its own; a packed rollout's cache holds, per sample, this rank's heads of its caption and
+committed chunks.
 
 Gradients. The head's output is gathered, so the stages compute their losses on whole samples,
 unchanged and identically on every rank of the group. The gather's backward sums the group's

@@ -295,15 +295,13 @@ class Caption(NamedTuple):
     length: int  # caption keys the video attends to (under cp: padded to a multiple of cp_size)
 
 
-def _pad_last_caption(texts: list[torch.Tensor], text_masks: list[torch.Tensor], layout, pad: int):
+def _pad_last_caption(texts: list[torch.Tensor], text_masks: list[torch.Tensor], pad: int):
     """A pack's captions [L_i, text_dim] and masks [L_i] with `pad` masked zero tokens after the
-    last caption, and the layout that counts them: (texts, text_masks, layout). Masked tokens
-    are never keys, so every sample's result stays the same."""
+    last caption: (texts, text_masks). Masked tokens are never keys, so every sample's result
+    stays the same."""
     last, last_mask = texts[-1], text_masks[-1]
-    texts = [*texts[:-1], torch.cat([last, last.new_zeros(pad, last.shape[1])])]
-    text_masks = [*text_masks[:-1], torch.cat([last_mask, last_mask.new_zeros(pad)])]
-    return texts, text_masks, replace(layout, text_lens=(*layout.text_lens[:-1],
-                                                         layout.text_lens[-1] + pad))
+    return ([*texts[:-1], torch.cat([last, last.new_zeros(pad, last.shape[1])])],
+            [*text_masks[:-1], torch.cat([last_mask, last_mask.new_zeros(pad)])])
 
 
 # --------------------------------------------------------------------------------------------
@@ -342,7 +340,9 @@ class PackedKVCache:
     text_used[i] bool [L_i] its real caption tokens, chunks[i] its kept committed chunks
     ([layer] = (k, v) [1, n, heads, head_dim], detached, RoPE at absolute positions) and
     next_frame[i] where its next chunk starts. A sample's chunks attend only to their own
-    sample's keys. Built by VideoDiT.new_packed_kv_cache.
+    sample's keys. Under context parallel `heads` is this rank's head group, and the last
+    caption holds its masked padding (the captions split evenly over the group). Built by
+    VideoDiT.new_packed_kv_cache.
     """
 
     text_kv: list[list[tuple[torch.Tensor, torch.Tensor]]]
@@ -726,17 +726,12 @@ class VideoDiT(nn.Module):
         for cond in conds[:-1]:
             offsets.append(offsets[-1] + cond.shape[1])
         slots = torch.cat([o + s for o, s in zip(offsets, slots)])
-        positions = layout.positions(vid.device)
-        # Context parallel splits the pack's tokens evenly: pad them with tokens that attend
-        # only to each other (their outputs are dropped).
-        pad = 0 if self.ulysses is None else self.ulysses.padding(vid.shape[1])
-        if pad:
-            vid = torch.cat([vid, vid.new_zeros(1, pad, vid.shape[2])], dim=1)
-            positions = torch.cat([positions, positions.new_zeros(pad, 3)])
-            slots = torch.cat([slots, slots.new_zeros(pad)])
+        vid, positions, slots, pad = self._pad_to_split(vid, layout.positions(vid.device), slots)
         text_pad = 0 if self.ulysses is None else self.ulysses.padding(sum(layout.text_lens))
         if text_pad:  # the captions split evenly too: the last one takes masked tokens
-            texts, text_masks, layout = _pad_last_caption(texts, text_masks, layout, text_pad)
+            texts, text_masks = _pad_last_caption(texts, text_masks, text_pad)
+            layout = replace(layout, text_lens=(*layout.text_lens[:-1],
+                                                layout.text_lens[-1] + text_pad))
         text = torch.cat(texts)[None]
         video_plan, text_plan = self._packed_plans(layout, text_masks, text.shape[1], pad, within)
         tokens = text if self.ulysses is None else self.ulysses.share(text)
@@ -744,6 +739,18 @@ class VideoDiT(nn.Module):
         # One modulation slot per token (runs of one token): samples' token counts differ.
         out, _ = self._run(vid, torch.cat(conds, dim=1), slots, positions, video_plan, caption)
         return out[:, :sum(layout.video_lens)].split(layout.video_lens, dim=1)
+
+    def _pad_to_split(self, vid, positions, slots):
+        """A pack's video tokens [1, N, D], their RoPE positions [N, 3] and per-token slots [N],
+        padded under context parallel with zero tokens to a multiple of cp_size, so that they
+        split evenly: (vid, positions, slots, padding). The caller makes the padding a sequence
+        of its own, attending only to itself, and drops its outputs."""
+        pad = 0 if self.ulysses is None else self.ulysses.padding(vid.shape[1])
+        if not pad:
+            return vid, positions, slots, 0
+        return (torch.cat([vid, vid.new_zeros(1, pad, vid.shape[2])], dim=1),
+                torch.cat([positions, positions.new_zeros(pad, 3)]),
+                torch.cat([slots, slots.new_zeros(pad)]), pad)
 
     def _packed_plans(self, layout, text_masks: list[torch.Tensor], captions: int, padding: int,
                       within: list[torch.Tensor] | None):
@@ -896,15 +903,21 @@ class VideoDiT(nn.Module):
         """An empty rollout cache over a pack: each caption [L_i, text_dim] (bool mask [L_i])
         run once through the blocks' text stream, every caption seeing only itself, in one
         call (so every rank of a sharded model runs the same forwards whatever its pack).
-        Computed in the caller's grad mode. Raises ValueError for a non-causal model or under
-        context parallel (a pack's rollout is not split over cp ranks)."""
+        Computed in the caller's grad mode. Raises ValueError for a non-causal model.
+
+        Under context parallel the captions split as forward_packed's do (the last one padded
+        with masked tokens to a multiple of cp_size, token j on cp rank j % cp_size), and the
+        cache keeps this rank's heads of every caption's keys and values."""
         from trainer.data.packing import PackLayout
 
         self._chunk_frames()
-        if self.ulysses is not None:
-            raise ValueError("a packed rollout does not run under context parallel (cp_size > 1)")
+        text_pad = 0 if self.ulysses is None else self.ulysses.padding(
+            sum(int(t.shape[0]) for t in texts))
+        if text_pad:
+            texts, text_masks = _pad_last_caption(texts, text_masks, text_pad)
         lengths = [int(t.shape[0]) for t in texts]
-        txt = self.text_embedder(torch.cat(texts)[None])
+        text = torch.cat(texts)[None]
+        txt = self.text_embedder(text if self.ulysses is None else self.ulysses.share(text))
         ids, real = PackLayout((), tuple(lengths)).text_ids(txt.device), torch.cat(text_masks)
         plan = plan_packed(self.cfg.attention_backend, ids, ids, real, head_dim=self.cfg.head_dim,
                            dtype=self._compute_dtype(txt.device))
@@ -946,9 +959,12 @@ class VideoDiT(nn.Module):
             vids.append(self._patchify(x[None]))
             lens.append(grid[0] * grid[1] * grid[2])
             grids.append((frames, h, w))
-        vid = torch.cat(vids, dim=1)
-        query_ids = torch.repeat_interleave(torch.tensor(samples, device=vid.device),
-                                            torch.tensor(lens, device=vid.device))
+        vid, positions, slots, pad = self._pad_to_split(torch.cat(vids, dim=1),
+                                                        torch.cat(positions), torch.cat(slots))
+        # Padding (context parallel) is a sequence of its own: one past the pack's samples.
+        query_ids = torch.repeat_interleave(
+            torch.tensor([*samples, len(cache.next_frame)], device=vid.device),
+            torch.tensor([*lens, pad], device=vid.device))
         prefix = [cache.prefix(samples, layer) for layer in range(len(self.blocks))]
         _, _, key_ids, used = prefix[0]
         key_ids = torch.cat([query_ids, key_ids])
@@ -958,12 +974,15 @@ class VideoDiT(nn.Module):
         if plan is None:  # SDPA: each query sees its own sample's used keys
             mask = (query_ids[:, None] == key_ids[None, :]) & used[None, :]
             plan = AttentionPlan("sdpa", None, mask[None, None])
-        out, kv = self._run(vid, torch.cat(conds, dim=1), torch.cat(slots), torch.cat(positions),
-                            plan, past=[(k, v) for k, v, _, _ in prefix], collect_kv=collect_kv)
-        preds = [self._unpatchify(o, *g)[0] for o, g in zip(out.split(lens, dim=1), grids)]
+        out, kv = self._run(vid, torch.cat(conds, dim=1), slots, positions, plan,
+                            past=[(k, v) for k, v, _, _ in prefix], collect_kv=collect_kv)
+        real = sum(lens)  # the tokens before the padding
+        preds = [self._unpatchify(o, *g)[0]
+                 for o, g in zip(out[:, :real].split(lens, dim=1), grids)]
         if not collect_kv:
             return preds, None
-        split = [[(k, v) for k, v in zip(*(x.split(lens, dim=1) for x in layer_kv))]
+        # Under context parallel these are this rank's heads of every token (head space).
+        split = [[(k, v) for k, v in zip(*(x[:, :real].split(lens, dim=1) for x in layer_kv))]
                  for layer_kv in kv]  # [layer][sample]
         return preds, [[layer[j] for layer in split] for j in range(len(samples))]
 

@@ -155,11 +155,6 @@ def _validate_data_keys(args: ResolvedArgs) -> None:
     if args.packing_token_budget is not None:
         _check(args.packing_token_budget >= 1,
                f"`packing_token_budget` must be >= 1 or null, got {args.packing_token_budget}.")
-        _check(args.stage != "dmd_sgf" or args.cp_size == 1,
-               f"`packing_token_budget` is set for Stage2 (dmd_sgf) with cp_size {args.cp_size}: "
-               "its packed rollout keeps each pack's KV cache whole on one rank, and is not split "
-               "over a cp group. Set cp_size: 1 (a pack's budget bounds its memory instead), or "
-               "packing_token_budget: null to roll out stacked batches under cp.")
     if args.image_sample_prob is not None:
         _check(0.0 <= args.image_sample_prob <= 1.0,
                f"`image_sample_prob` must lie in [0, 1] or be null, got {args.image_sample_prob}.")

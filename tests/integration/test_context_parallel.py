@@ -1,14 +1,14 @@
 """Ulysses context parallel (cp_size > 1): real ranks under torchrun (gloo, CPU), nothing mocked.
 
-First the model alone (tests/context_parallel_worker.py): every forward, its video and caption
-tokens split over 2 and 4 ranks (captions of 5 tokens, a pack's of 11: padded to split),
-against the same model unsplit. Then train.py, with captions of 5 tokens: the same global
-batch of 8 samples on one process, on one cp group of 2 and on dp 2 x cp 2 must log the same
-losses and gradient norms (the draws are keyed by sample, cp rank 0 reads and shares the
-batch, the gathered output feeds the unchanged losses); the same for Stage1 (block-causal
-teacher forcing), Stage2 (the KV-cached rollout) and a pack of mixed shapes; a cp checkpoint
-resumes on one process on the same trajectory; a split that cannot work is refused before a
-model exists.
+First the model alone (tests/context_parallel_worker.py): every forward, the packed rollout
+among them, its video and caption tokens split over 2 and 4 ranks (captions of 5 tokens, a
+pack's of 11: padded to split), against the same model unsplit. Then train.py, with captions
+of 5 tokens: the same global batch of 8 samples on one process, on one cp group of 2 and on
+dp 2 x cp 2 must log the same losses and gradient norms (the draws are keyed by sample, cp
+rank 0 reads and shares the batch, the gathered output feeds the unchanged losses); the same
+for Stage1 (block-causal teacher forcing), Stage2 (the KV-cached rollout), a pack of mixed
+shapes, and Stage2 on such packs (the packed rollout); a cp checkpoint resumes on one process
+on the same trajectory; a split that cannot work is refused before a model exists.
 """
 
 from __future__ import annotations
@@ -45,14 +45,21 @@ def test_every_forward_of_the_model_matches_the_unsplit_model(tmp_path, ranks):
         # this rank's heads only (4 heads in all).
         padded = math.ceil(5 / ranks) * ranks
         assert result.pop("cached_text") == {"whole": [5, 4], "split": [padded, 4 // ranks]}
+        # A packed rollout caches each caption whole for this rank's heads, the last one
+        # with the pack's padding (11 caption tokens: 12 keys in all).
+        last = 3 + math.ceil(11 / ranks) * ranks - 11
+        assert result.pop("cached_pack") == {"whole": [[3, 4], [5, 4], [3, 4]],
+                                             "split": [[3, 4 // ranks], [5, 4 // ranks],
+                                                       [last, 4 // ranks]]}
         assert set(result) == {"bidirectional", "unmasked_caption", "per_frame_times",
-                               "block_causal", "teacher_forcing", "kv_rollout", "packed"}
+                               "block_causal", "teacher_forcing", "kv_rollout", "packed",
+                               "packed_rollout"}
         for case, diff in result.items():  # float64: only the order of sums differs
             assert diff["out"] < 1e-12, (case, diff)
             if "grad" in diff:
                 assert diff["grad"] < 1e-12 * diff["grad_scale"], (case, diff)
             # A block's text stream holds ceil(L / size) of the caption's L tokens per rank.
-            length = 11 if case == "packed" else 5
+            length = 11 if case.startswith("packed") else 5
             assert diff["text_tokens"] == {"whole": [length],
                                            "split": [math.ceil(length / ranks)]}, case
 
@@ -130,15 +137,42 @@ PACKED_MODEL = ("{hidden_size: 16, num_attention_heads: 2, num_layers: 1, rope_a
                 "text_dim: 8, patch_size: [1, 2, 2], in_channels: 4}")
 
 
-def test_a_pack_of_mixed_shapes_trains_the_same_at_cp2_as_on_one_process(tmp_path):
-    # videos and images, several sizes, captions of 3 to 11 tokens: packs of odd caption sums
-    data = write_fastvideo_dataset(tmp_path / "data", 24)
+@pytest.fixture(scope="module")
+def packed_runs(tmp_path_factory):
+    """The tiny pretrain in packs of mixed shapes on one process and at cp 2: videos and
+    images, several sizes, captions of 3 to 11 tokens (packs of odd caption sums)."""
+    root = tmp_path_factory.mktemp("cp-packed")
+    data = write_fastvideo_dataset(root / "data", 24)
     common = ("--transformer_config_overrides", PACKED_MODEL, "--synthetic_data", "false",
               "--packing_token_budget", "60", "--max_steps", "4", "--train_batch_size", "4")
-    train(tmp_path / "one", data, 1, *common)
-    train(tmp_path / "cp2", data, 2, *common, "--cp_size", "2")
-    assert_same_trajectory(tmp_path / "cp2", tmp_path / "one")
-    cursor = json.loads((tmp_path / "cp2" / "checkpoint-4" / "dataloader" / "0.json").read_text())
+    train(root / "one", data, 1, *common)
+    train(root / "cp2", data, 2, *common, "--cp_size", "2")
+    return root, data
+
+
+def test_a_pack_of_mixed_shapes_trains_the_same_at_cp2_as_on_one_process(packed_runs):
+    root, _ = packed_runs
+    assert_same_trajectory(root / "cp2", root / "one")
+    cursor = json.loads((root / "cp2" / "checkpoint-4" / "dataloader" / "0.json").read_text())
+    assert cursor["token_budget"] == 60  # it did train on packs
+
+
+def test_stage2_on_packs_of_mixed_shapes_gives_the_same_losses_at_cp2(packed_runs, tmp_path):
+    # The packed rollout's chunks and captions split over the cp group, its cache in head space.
+    root, data = packed_runs
+    source = str(root / "one")
+    common = ("--transformer_config_overrides", PACKED_MODEL[:-1] + ", causal_chunk_size: 2}",
+              "--synthetic_data", "false", "--packing_token_budget", "60",
+              "--student_init_path", source, "--teacher_init_path", source,
+              "--critic_init_path", source, *STAGE2_EXTRA, "--generator_update_interval", "1",
+              "--max_steps", "3")
+    train(tmp_path / "one", data, 1, *common, config="stage2")
+    train(tmp_path / "cp2", data, 2, *common, "--cp_size", "2", config="stage2")
+    keys = ("critic_loss", "critic_grad_norm", "generator_loss", "student_grad_norm")
+    assert_same_trajectory(tmp_path / "cp2", tmp_path / "one", keys=keys)
+    assert set(keys) <= set(records(tmp_path / "cp2")[3])  # the student trained too
+    assert read_complete(tmp_path / "cp2" / "checkpoint-3")["cp_size"] == 2  # the split is real
+    cursor = json.loads((tmp_path / "cp2" / "checkpoint-3" / "dataloader" / "0.json").read_text())
     assert cursor["token_budget"] == 60  # it did train on packs
 
 
