@@ -69,22 +69,36 @@ def newton_schulz5(G: torch.Tensor, steps: int = 5, eps: float = 1e-7, *,
 
 def _orthogonalized_update(update: torch.Tensor, ns_steps: int) -> torch.Tensor:
     """Muon's step direction for one whole weight: NS5 of its matrix view times the shape scale."""
-    matrix = update.reshape(update.shape[0], -1)  # conv filters [out, in, kh, kw] -> [out, ...]
-    rows, cols = matrix.shape
-    out = newton_schulz5(matrix, steps=ns_steps)
-    return (out * math.sqrt(max(1.0, rows / cols))).view(update.shape)
+    return _orthogonalized_batch([update], ns_steps)[0]
+
+
+def _orthogonalized_batch(updates: list[torch.Tensor], ns_steps: int) -> list[torch.Tensor]:
+    """The directions of weights whose matrix views share one shape, in one batched NS5: a
+    transformer's blocks repeat the same few shapes, and small matmuls one by one cost more in
+    dispatch than in arithmetic on the CPU."""
+    # conv filters [out, in, kh, kw] -> [out, in * kh * kw]
+    matrices = torch.stack([u.reshape(u.shape[0], -1) for u in updates])
+    rows, cols = matrices.shape[-2:]
+    out = newton_schulz5(matrices, steps=ns_steps) * math.sqrt(max(1.0, rows / cols))
+    return [d.view(u.shape) for d, u in zip(out.unbind(0), updates)]
 
 
 def _orthogonalized_updates(updates: list[torch.Tensor], ns_steps: int) -> list[torch.Tensor]:
-    """The directions of a group's weights: plain tensors here; FSDP2-sharded ones (DTensors)
-    spread over their shard group, so each rank runs Newton-Schulz on 1/S of the matrices."""
+    """The directions of a group's weights: plain tensors batched by matrix shape; FSDP2-sharded
+    ones (DTensors) spread over their shard group, so each rank runs Newton-Schulz on 1/S of
+    the matrices."""
     out: list[torch.Tensor | None] = [None] * len(updates)
     sharded = []
+    by_shape: dict[tuple, list[int]] = {}
     for i, update in enumerate(updates):
         if DTensor is not None and isinstance(update, DTensor):
             sharded.append(i)
         else:
-            out[i] = _orthogonalized_update(update, ns_steps)
+            key = (update.shape[0], update[0].numel(), update.dtype, update.device)
+            by_shape.setdefault(key, []).append(i)
+    for same in by_shape.values():
+        for i, direction in zip(same, _orthogonalized_batch([updates[i] for i in same], ns_steps)):
+            out[i] = direction
     if sharded:
         from trainer.distributed import orthogonalize_sharded
 
