@@ -90,3 +90,17 @@ def test_a_text_encoder_directory_must_match_the_models_text_dim(tmp_path):
     with pytest.raises(ConfigError, match="below the encoder's 2 layers"):
         _resolve(tmp_path, SEED_KEYS, "--text_encoder", str(encoder), "--text_encoder_hidden_state_skip_layer",
                  "2", "--transformer_config_overrides", "{text_dim: 64, hidden_size: 64, num_attention_heads: 4, rope_axes_dim: [4, 6, 6]}")
+
+
+def test_under_packing_the_global_batch_counts_packs(tmp_path):
+    """A micro-batch is one pack whatever train_batch_size says: 2 accumulated packs on 4 ranks
+    are a global batch of 8, and a global batch counted in samples is refused, saying so."""
+    from trainer.preflight import validate_args
+
+    args = _resolve(tmp_path, SEED_KEYS, "--train_batch_size", "3",
+                    "--gradient_accumulation_steps", "2", "--global_batch_size", "8")
+    validate_args(args, world_size=4)
+    wrong = _resolve(tmp_path, SEED_KEYS, "--train_batch_size", "3",
+                     "--gradient_accumulation_steps", "2", "--global_batch_size", "24")
+    with pytest.raises(ConfigError, match=r"1 pack a micro-batch .* = 8\."):
+        validate_args(wrong, world_size=4)

@@ -368,12 +368,17 @@ def _validate_topology(args: ResolvedArgs, world_size: int | None) -> None:
     else:
         dp = _mesh(args, world_size, None).dp_world
     if args.global_batch_size is not None:
-        got = args.train_batch_size * args.gradient_accumulation_steps * dp
+        # Under packing a micro-batch is one pack (train_batch_size is not used), so the
+        # global batch counts packs.
+        packed = args.packing_token_budget is not None
+        per_micro = 1 if packed else args.train_batch_size
+        what = "1 pack a micro-batch (packing_token_budget is set)" if packed \
+            else f"train_batch_size ({args.train_batch_size})"
+        got = per_micro * args.gradient_accumulation_steps * dp
         _check(got == args.global_batch_size,
-               f"global_batch_size is {args.global_batch_size} but train_batch_size "
-               f"({args.train_batch_size}) x gradient_accumulation_steps "
-               f"({args.gradient_accumulation_steps}) x data-parallel size ({dp}) = {got}. Change "
-               f"one of them so they agree.")
+               f"global_batch_size is {args.global_batch_size} but {what} x "
+               f"gradient_accumulation_steps ({args.gradient_accumulation_steps}) x "
+               f"data-parallel size ({dp}) = {got}. Change one of them so they agree.")
     if args.gpu_memory_gib is not None and not (args.hybrid_shard and args.shard_group_size is None):
         describe_plan(args, world_size, None)
 
