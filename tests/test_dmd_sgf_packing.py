@@ -4,7 +4,7 @@ what each sample's own rollout computes, and a packed Stage2 step equals the per
 import pytest
 import torch
 
-from test_data_packing import C, D, _causal_samples, _model
+from test_data_packing import _causal_samples, _model
 
 torch.set_num_threads(1)
 
