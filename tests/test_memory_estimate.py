@@ -141,7 +141,8 @@ def test_a_pack_budget_sets_the_activations_whatever_the_batch_and_clip_keys_say
     budget = {"packing_token_budget": 40000}
     plans = [describe_plan(resolve_config(PRODUCTION, {**budget, **keys}, world_size=1920,
                                           check_paths=False), 1920, 8)
-             for keys in ({}, {"train_batch_size": 4, "global_batch_size": 7680},
+             # (the global batch stays 1920: under packing it counts packs, not samples)
+             for keys in ({}, {"train_batch_size": 4},
                           {"expected_latent_shape": [16, 41, 90, 160]})]
     seen = {_activations(plan) for plan in plans}
     # one pack of 40000 tokens, however the clips are cut or batched
