@@ -114,7 +114,8 @@ SECTIONS: dict[str, list[Arg]] = {
         Arg("train_batch_size", "int", 8, "Micro-batch size per data-parallel rank."),
         Arg("global_batch_size", "int", None,
             "Optional check: must equal train_batch_size x gradient_accumulation_steps x "
-            "data-parallel size.", nullable=True),
+            "data-parallel size (under packing_token_budget: packs, one a micro-batch).",
+            nullable=True),
         Arg("seed", "int", 42, "Seed of the model init, the data order and the noise."),
         Arg("dtype", "str", "auto",
             "Compute dtype: auto = bf16 autocast on GPU, fp32 on CPU.",
