@@ -35,7 +35,7 @@ from trainer.checkpoint import (
 )  # noqa: E402
 from trainer.rng import capture_rng_state, restore_rng_state  # noqa: E402
 from trainer.warm_start import load_warm_start  # noqa: E402
-from trainer.distributed import any_rank  # noqa: E402
+from trainer.distributed import any_rank, destroy  # noqa: E402
 
 
 def build(seed: int, mesh) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -119,8 +119,8 @@ def main() -> None:
             load_warm_start(out / source, fresh, weights="live")
             result[f"warm_start_from_{source}"] = full_weights(fresh)
     (out / f"result-{phase}-{rank}.json").write_text(json.dumps(result))
-    dist.barrier()  # ranks tearing down gloo groups at different times aborted at exit
-    dist.destroy_process_group()
+    dist.barrier()  # a rank that exits without tearing gloo down, or before the others, aborts
+    destroy()
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.context_parallel import attach
+from trainer.distributed import destroy
 from trainer.model import VideoDiT
 
 BASE = dict(in_channels=3, hidden_size=32, num_attention_heads=4, num_layers=2,
@@ -171,8 +172,8 @@ def main(out: Path) -> None:
     except ValueError as exc:
         results["refused"] = str(exc)
     (out / f"{dist.get_rank()}.json").write_text(json.dumps(results))
-    dist.barrier()  # ranks tearing down gloo groups at different times aborted at exit
-    dist.destroy_process_group()
+    dist.barrier()  # a rank that exits without tearing gloo down, or before the others, aborts
+    destroy()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import trainer.optim as optim
+from trainer.distributed import destroy
 
 
 def build() -> nn.Module:
@@ -57,8 +58,8 @@ def main(out: Path, replicas: int) -> None:
                for a, b in zip(sharded.parameters(), reference.parameters()))
     (out / f"{rank}.json").write_text(json.dumps(
         {"max_abs_diff": diff, "sharded_ns_calls": calls["n"], "reference_ns_calls": ref_calls}))
-    dist.barrier()  # ranks tearing down gloo groups at different times aborted at exit
-    dist.destroy_process_group()
+    dist.barrier()  # a rank that exits without tearing gloo down, or before the others, aborts
+    destroy()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import time
 from typing import Any
 
 import torch
@@ -360,5 +361,19 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list
 
 
 def destroy() -> None:
-    if distributed_active():
-        dist.destroy_process_group()
+    """Tear every process group down; call it on every rank, after a barrier where all ranks
+    got there (a rank still in a collective aborts when the others tear down first)."""
+    if not distributed_active():
+        return
+    gloo = dist.get_backend() == "gloo"
+    dist.destroy_process_group()
+    if gloo:
+        # A gloo worker thread frees a finished collective's tensors after the caller already
+        # has the result, and needs the GIL for any tensor Python made. If the interpreter is
+        # shutting down by then, Python 3.11 ends that thread inside the destructor and the
+        # process aborts with "terminate called without an active exception" (seen about once
+        # in 30 cp runs at exit). Sleeping hands those threads the GIL to finish first.
+        time.sleep(_GLOO_DRAIN_S)
+
+
+_GLOO_DRAIN_S = 0.2

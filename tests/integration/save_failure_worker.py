@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 from trainer.checkpoint import CheckpointError, CheckpointManager, ModelMember  # noqa: E402
+from trainer.distributed import destroy  # noqa: E402
 
 # Bytes rank 1 may write per file while "the disk is full". Its model shard (half of two
 # 64 x 64 layers) is about 17 KB: the small limit refuses it, the large one refuses only a
@@ -77,8 +78,8 @@ def main() -> None:
         limit(rank, hard)
         errors["5"] = save(sync, model, 5, rank)
     (out / f"result-{rank}.json").write_text(json.dumps(errors))
-    dist.barrier()  # ranks tearing down gloo groups at different times aborted at exit
-    dist.destroy_process_group()
+    dist.barrier()  # a rank that exits without tearing gloo down, or before the others, aborts
+    destroy()
 
 
 if __name__ == "__main__":
