@@ -154,3 +154,50 @@ def test_selective_checkpointing_does_not_recompute_fa4(monkeypatch, selective):
     out.float().square().mean().backward()
     assert forward_calls > 0
     assert len(calls) == (forward_calls if selective else 2 * forward_calls)
+
+
+def _causal_packed_inputs():
+    """Three samples of 4, 3 and 1 latent frames (chunks of 2), as Stage1 and Stage2 pack them."""
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    xs = [torch.randn(4, f, h, w, device=DEVICE, generator=g) for f, h, w in ((4, 16, 16), (3, 8, 24), (1, 16, 8))]
+    texts = [torch.randn(n, 32, device=DEVICE, generator=g) for n in (12, 7, 9)]
+    masks = [torch.ones(n, dtype=torch.bool, device=DEVICE) for n in (12, 7, 9)]
+    masks[2][5:] = False
+    return xs, texts, masks
+
+
+def test_packed_teacher_forcing_through_varlen_kernels_matches_sdpa():
+    fast = _model(attention_backend="auto", causal_chunk_size=2)
+    ref = copy.deepcopy(fast)
+    ref.cfg.attention_backend = "sdpa"
+    xs, texts, masks = _causal_packed_inputs()
+    cleans = [x.flip(1) for x in xs]
+    ts = [torch.tensor(700.0, device=DEVICE), torch.tensor([100.0, 500.0, 800.0], device=DEVICE),
+          torch.tensor(300.0, device=DEVICE)]
+
+    def run(m):
+        return torch.cat([p.flatten() for p in m.forward_teacher_forcing_packed(xs, cleans, ts, texts, masks)])
+
+    _compare(_loss_and_grads(fast, run), _loss_and_grads(ref, run), tol=1e-2)
+
+
+@pytest.mark.parametrize("window", [None, 1])
+def test_the_packed_rollout_cache_through_varlen_kernels_matches_sdpa(window):
+    """Stage2's rollout on a pack: the KV-cached chunks with the auto kernels against SDPA."""
+    fast = _model(attention_backend="auto", causal_chunk_size=2, attn_window_chunks=window)
+    ref = copy.deepcopy(fast)
+    ref.cfg.attention_backend = "sdpa"
+    xs, texts, masks = _causal_packed_inputs()
+    outputs = {}
+    for name, model in (("fast", fast), ("ref", ref)):
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            cache = model.new_packed_kv_cache(texts, masks)
+            outs = []
+            for start in (0, 2):
+                active = [i for i, x in enumerate(xs) if x.shape[1] > start]
+                chunks = [xs[i][:, start:start + 2] for i in active]
+                outs += model.forward_chunk_packed(chunks, [500.0] * len(active), cache, active)
+                model.commit_chunk_packed(chunks, cache, active)
+        assert cache.next_frame == [4, 3, 1]
+        outputs[name] = torch.cat([o.float().flatten() for o in outs])
+    assert _rel(outputs["fast"], outputs["ref"]) < 1e-2, _rel(outputs["fast"], outputs["ref"])
