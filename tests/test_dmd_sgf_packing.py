@@ -158,24 +158,26 @@ def test_stage2_trains_on_packs_both_roles_and_counts_the_packs_samples():
 
 # ---- under FSDP2 the ranks' packs differ in chunks, their forwards must not ------------------
 
-def _sharded_rollout(rank: int, world: int, port: int) -> None:
+def _sharded_rollout(rank: int, world: int, port: int, cp: int) -> None:
     import copy
     import os
 
-    from trainer.distributed import (barrier, destroy, init_distributed, max_across_ranks,
-                                     shard_model)
+    from trainer.build import distribute
+    from trainer.distributed import barrier, destroy, init_distributed, max_across_ranks
     from trainer.sample_draws import SampleDraws
     from trainer.stages import rollout as R
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    topo = init_distributed(1, backend="gloo")
+    topo = init_distributed(cp, backend="gloo")
     model = _model(causal_chunk_size=2)  # the same seeded weights on every rank
     reference = copy.deepcopy(model)
-    shard_model(model, topo)
+    distribute(model, topo)  # FSDP2 over every rank; under cp, each group splits its tokens
     xs, _, texts, masks = _causal_samples()
-    mine = [0, 1] if rank == 0 else [2]  # rank 0: 2 chunks each; rank 1: one image, 1 chunk
+    # dp rank 0: 2 chunks each; dp rank 1: one image, 1 chunk, then idle rounds (under cp,
+    # the placeholder chunk of those rounds splits over its cp group like a real one)
+    mine = [0, 1] if topo.dp_rank == 0 else [2]
     sigmas = [1.0, 0.6, 0.3]
     rounds = max_across_ranks(max(-(-xs[i].shape[1] // 2) for i in mine))
     got = R.simulate_packed_rollout(model, [xs[i][None] for i in mine], [texts[i] for i in mine],
@@ -193,7 +195,8 @@ def _sharded_rollout(rank: int, world: int, port: int) -> None:
     destroy()
 
 
-def test_sharded_ranks_whose_packs_hold_fewer_chunks_keep_pace_and_roll_out_exactly():
+@pytest.mark.parametrize("world, cp", [(2, 1), (4, 2)], ids=["dp2", "dp2xcp2"])
+def test_sharded_ranks_whose_packs_hold_fewer_chunks_keep_pace_and_roll_out_exactly(world, cp):
     import socket
     import time
 
@@ -202,7 +205,7 @@ def test_sharded_ranks_whose_packs_hold_fewer_chunks_keep_pace_and_roll_out_exac
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    context = mp.spawn(_sharded_rollout, args=(2, port), nprocs=2, join=False)
+    context = mp.spawn(_sharded_rollout, args=(world, port, cp), nprocs=world, join=False)
     deadline = time.monotonic() + 240
     while not context.join(timeout=5):  # raises when a rank failed
         if time.monotonic() > deadline:  # a rank waits in a forward the other never runs
