@@ -101,6 +101,29 @@ def test_complete_records_every_file_with_the_xxh3_of_its_bytes(tmp_path, io_pat
     assert torch.serialization.get_crc32_options() is True
 
 
+def test_every_file_holds_all_its_bytes_when_its_writer_fsyncs_it(tmp_path, io_path, monkeypatch):
+    # Rank 0 does not sync the other ranks' files again before COMPLETE (on a network
+    # filesystem that would flush nothing of theirs): each writer's own fsync must cover every
+    # byte its file ends up with. DCP's .metadata, pickled into a buffered stream, once did not.
+    import os
+
+    size_at_fsync: dict[str, int] = {}
+    fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        size_at_fsync[os.readlink(f"/proc/self/fd/{fd}")] = os.fstat(fd).st_size
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    path = Run(0).save(tmp_path, 3).resolve()
+    files = json.loads((path / COMPLETE_FILE).read_text())["files"]
+    written = {name.replace(f"{path}.tmp", str(path)).removesuffix(".tmp"): size
+               for name, size in size_at_fsync.items()}  # the names they were published under
+    assert {"transformer/.metadata", "training_state.pt"} <= set(files)
+    for rel, size in files.items():
+        assert written.get(str(path / rel)) == size, rel
+
+
 @pytest.mark.parametrize("beside", [False, True], ids=["inline", "on_a_second_thread"])
 def test_a_shard_of_tensors_larger_than_the_overlap_threshold_records_its_xxh3(
         tmp_path, monkeypatch, beside):

@@ -63,7 +63,6 @@ from trainer.checkpoint_layout import (
     expected_files,
     recorded_checksums,
     fsync_dir,
-    fsync_file,
     list_checkpoints,
     member_checksums,
     prune_checkpoints,
@@ -367,14 +366,18 @@ def _write_and_commit(job: _SaveJob) -> Path:
 
 
 def _publish(job: _SaveJob, tmp: Path, final: Path, digests: dict[str, str | None]) -> None:
-    """Rank 0: sync and list every file with its size and checksum, write COMPLETE, rename
-    tmp into place. `digests` are the checksums the writers took; a file without one is hashed
-    from disk."""
+    """Rank 0: list every file with its size and checksum, write COMPLETE, rename tmp into
+    place. `digests` are the checksums the writers took; a file without one is hashed from
+    disk.
+
+    Every file's writer fsynced it before this. Rank 0 does not sync them again: on a network
+    filesystem an fsync of a file another node wrote flushes nothing of that node's, and it
+    costs a round trip per file (thousands of files at the scale of config/pretrain.yaml).
+    """
     files: dict[str, int] = {}
     checksums: dict[str, str] = {}
     for path in sorted(tmp.rglob("*")):
         if path.is_file():
-            fsync_file(path)  # cheap where the writer already synced; covers any that did not
             rel = path.relative_to(tmp).as_posix()
             files[rel] = path.stat().st_size
             checksums[rel] = digests.get(rel) or digest_file(path)

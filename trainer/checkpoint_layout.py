@@ -293,15 +293,6 @@ def prune_checkpoints(
     return deleted
 
 
-def fsync_file(path: Path) -> None:
-    """Flush a file's data to stable storage."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_dir(path: Path) -> None:
     """Flush a directory's entries (best effort: some filesystems refuse)."""
     # A rename or a new file is durable only once its directory entry is.

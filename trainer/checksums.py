@@ -169,6 +169,9 @@ class HashingWriter:
         self._raw.flush()
 
     def fileno(self) -> int:
+        # DCP fsyncs through fileno() before it closes a file: flush what Python still buffers
+        # first, or that fsync misses it (the pickled .metadata, a few KB, was all buffered).
+        self._raw.flush()
         return self._raw.fileno()
 
     def close(self) -> None:
