@@ -175,6 +175,19 @@ def test_wandb_offline_run_lands_in_output_dir_and_no_file_holds_the_api_key(fea
     assert leaks == []
 
 
+def test_a_resumed_run_logs_on_into_the_same_wandb_run(tiny_trainer, tmp_path):
+    out = tmp_path / "run"
+    env = tiny_trainer.env(WANDB_MODE="offline", WANDB_SILENT="true")
+    for steps in ("2", "4"):  # the second start resumes from checkpoint-2, as a requeue does
+        proc = tiny_trainer.run(out, "--max_steps", steps, "--report_to", "wandb", env=env,
+                                timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads((out / "run-result.json").read_text())["step"] == 4
+    run_id = (out / "wandb-run-id").read_text().strip()
+    attempts = sorted(p.name for p in (out / "wandb").glob("offline-run-*"))
+    assert len(attempts) == 2 and all(name.endswith(f"-{run_id}") for name in attempts), attempts
+
+
 def test_validation_writes_its_manifest_last_and_its_scores_into_metrics(feature_run):
     step_dir = feature_run / "samples" / "step-2"
     manifest_path = step_dir / "manifest.json"

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -45,13 +46,31 @@ class MetricsWriter:
             f.write(json.dumps(_finite(record)) + "\n")
 
 
+RUN_ID_FILE = "wandb-run-id"
+
+
+def output_dir_run_id(output_dir: Path) -> str:
+    """The W&B run id of this output_dir: the one in its RUN_ID_FILE, else a new one, kept
+    there. A fresh output_dir is a fresh run; the same one, after a requeue, the same run."""
+    path = output_dir / RUN_ID_FILE
+    if path.is_file() and (kept := path.read_text().strip()):
+        return kept
+    run_id = secrets.token_hex(6)
+    path.write_text(run_id + "\n")
+    return run_id
+
+
 def _finite(record: dict) -> dict:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
             for k, v in record.items()}
 
 
 class WandbReporter:
-    """W&B logging; the API key comes from WANDB_API_KEY in the environment, never a file."""
+    """W&B logging; the API key comes from WANDB_API_KEY in the environment, never a file.
+
+    One W&B run per output_dir: its id is kept in `wandb-run-id` there, so a resumed or
+    requeued job logs on into the same run (WANDB_RUN_ID, when set, wins).
+    """
 
     def __init__(self, args, *, enabled: bool):
         self.run = None
@@ -63,7 +82,7 @@ class WandbReporter:
         self.run = wandb.init(
             project=args.wandb_project,
             name=args.wandb_run_name or Path(args.output_dir).name,
-            id=os.environ.get("WANDB_RUN_ID"),
+            id=os.environ.get("WANDB_RUN_ID") or output_dir_run_id(Path(args.output_dir)),
             resume="allow",
             dir=args.output_dir,
             config=config,
