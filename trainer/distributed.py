@@ -365,15 +365,14 @@ def destroy() -> None:
     got there (a rank still in a collective aborts when the others tear down first)."""
     if not distributed_active():
         return
-    gloo = dist.get_backend() == "gloo"
     dist.destroy_process_group()
-    if gloo:
-        # A gloo worker thread frees a finished collective's tensors after the caller already
-        # has the result, and needs the GIL for any tensor Python made. If the interpreter is
-        # shutting down by then, Python 3.11 ends that thread inside the destructor and the
-        # process aborts with "terminate called without an active exception" (seen about once
-        # in 30 cp runs at exit). Sleeping hands those threads the GIL to finish first.
-        time.sleep(_GLOO_DRAIN_S)
+    # A gloo worker thread frees a finished collective's tensors after the caller already has
+    # the result, and needs the GIL for any tensor Python made; destroying the group does not
+    # stop that thread. If the interpreter is shutting down by then, Python 3.11 ends the thread
+    # inside the destructor and the process aborts with "terminate called without an active
+    # exception" (about once in 30 cp runs at exit). Sleeping hands those threads the GIL to
+    # finish first. GPU runs have a gloo group too (async checkpoint saves), so always.
+    time.sleep(_GLOO_DRAIN_S)
 
 
 _GLOO_DRAIN_S = 0.2
