@@ -186,6 +186,13 @@ def test_a_resumed_run_logs_on_into_the_same_wandb_run(tiny_trainer, tmp_path):
     run_id = (out / "wandb-run-id").read_text().strip()
     attempts = sorted(p.name for p in (out / "wandb").glob("offline-run-*"))
     assert len(attempts) == 2 and all(name.endswith(f"-{run_id}") for name in attempts), attempts
+    # Started afresh in the same directory (its checkpoints gone), it is a new W&B run: in the
+    # old one, W&B would drop its steps 1-4 as logged already.
+    for checkpoint in out.glob("checkpoint-*"):
+        shutil.rmtree(checkpoint)
+    proc = tiny_trainer.run(out, "--max_steps", "2", "--report_to", "wandb", env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (out / "wandb-run-id").read_text().strip() != run_id
 
 
 def test_validation_writes_its_manifest_last_and_its_scores_into_metrics(feature_run):

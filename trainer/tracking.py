@@ -49,11 +49,12 @@ class MetricsWriter:
 RUN_ID_FILE = "wandb-run-id"
 
 
-def output_dir_run_id(output_dir: Path) -> str:
-    """The W&B run id of this output_dir: the one in its RUN_ID_FILE, else a new one, kept
-    there. A fresh output_dir is a fresh run; the same one, after a requeue, the same run."""
+def output_dir_run_id(output_dir: Path, resumed: bool) -> str:
+    """The W&B run id of this output_dir's run: when it resumed, the one kept in RUN_ID_FILE;
+    else (or if none is kept) a new one, kept there. A fresh start never reuses an id: W&B
+    would drop its steps as already logged."""
     path = output_dir / RUN_ID_FILE
-    if path.is_file() and (kept := path.read_text().strip()):
+    if resumed and path.is_file() and (kept := path.read_text().strip()):
         return kept
     run_id = secrets.token_hex(6)
     path.write_text(run_id + "\n")
@@ -68,11 +69,12 @@ def _finite(record: dict) -> dict:
 class WandbReporter:
     """W&B logging; the API key comes from WANDB_API_KEY in the environment, never a file.
 
-    One W&B run per output_dir: its id is kept in `wandb-run-id` there, so a resumed or
-    requeued job logs on into the same run (WANDB_RUN_ID, when set, wins).
+    One W&B run per training trajectory: its id is kept in `wandb-run-id` in the output_dir,
+    so a resumed or requeued job logs on into the same run, and a run that starts fresh (no
+    checkpoint to resume) starts a new one (WANDB_RUN_ID, when set, wins).
     """
 
-    def __init__(self, args, *, enabled: bool):
+    def __init__(self, args, *, enabled: bool, resumed: bool):
         self.run = None
         if not enabled or args.report_to != "wandb":
             return
@@ -82,7 +84,7 @@ class WandbReporter:
         self.run = wandb.init(
             project=args.wandb_project,
             name=args.wandb_run_name or Path(args.output_dir).name,
-            id=os.environ.get("WANDB_RUN_ID") or output_dir_run_id(Path(args.output_dir)),
+            id=os.environ.get("WANDB_RUN_ID") or output_dir_run_id(Path(args.output_dir), resumed),
             resume="allow",
             dir=args.output_dir,
             config=config,

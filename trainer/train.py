@@ -161,7 +161,7 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
     metrics.truncate_after(start_step)
     gate = HealthGate(args)
     gate.replay(metrics.path, start_step)
-    tracker = WandbReporter(args, enabled=topo.is_main)
+    tracker = WandbReporter(args, enabled=topo.is_main, resumed=resumed is not None)
     progress = Progress(args.max_steps, start_step, enabled=topo.is_main)
     last_saved = start_step
     status = "completed"
