@@ -101,12 +101,19 @@ def test_adamw_is_fused_on_the_gpu_and_steps_like_the_reference():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-def _packed_inputs():
-    g = torch.Generator(device=DEVICE).manual_seed(2)
-    xs = [torch.randn(4, f, h, w, device=DEVICE, generator=g) for f, h, w in ((4, 16, 16), (2, 8, 24), (1, 16, 8))]
+def _pack(frames=(4, 2, 1), seed=2):
+    """Three samples of `frames` latent frames at three sizes (the last an image when 1), with
+    captions of 12, 7 and 9 tokens, the last with padding: (latents, captions, masks)."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    xs = [torch.randn(4, f, h, w, device=DEVICE, generator=g) for f, (h, w) in zip(frames, ((16, 16), (8, 24), (16, 8)))]
     texts = [torch.randn(n, 32, device=DEVICE, generator=g) for n in (12, 7, 9)]
     masks = [torch.ones(n, dtype=torch.bool, device=DEVICE) for n in (12, 7, 9)]
     masks[2][5:] = False
+    return xs, texts, masks
+
+
+def _packed_inputs():
+    xs, texts, masks = _pack()
     ts = [torch.tensor(700.0, device=DEVICE), torch.tensor([100.0, 800.0], device=DEVICE),
           torch.tensor(300.0, device=DEVICE)]
     return xs, ts, texts, masks
@@ -156,21 +163,11 @@ def test_selective_checkpointing_does_not_recompute_fa4(monkeypatch, selective):
     assert len(calls) == (forward_calls if selective else 2 * forward_calls)
 
 
-def _causal_packed_inputs():
-    """Three samples of 4, 3 and 1 latent frames (chunks of 2), as Stage1 and Stage2 pack them."""
-    g = torch.Generator(device=DEVICE).manual_seed(3)
-    xs = [torch.randn(4, f, h, w, device=DEVICE, generator=g) for f, h, w in ((4, 16, 16), (3, 8, 24), (1, 16, 8))]
-    texts = [torch.randn(n, 32, device=DEVICE, generator=g) for n in (12, 7, 9)]
-    masks = [torch.ones(n, dtype=torch.bool, device=DEVICE) for n in (12, 7, 9)]
-    masks[2][5:] = False
-    return xs, texts, masks
-
-
 def test_packed_teacher_forcing_through_varlen_kernels_matches_sdpa():
     fast = _model(attention_backend="auto", causal_chunk_size=2)
     ref = copy.deepcopy(fast)
     ref.cfg.attention_backend = "sdpa"
-    xs, texts, masks = _causal_packed_inputs()
+    xs, texts, masks = _pack(frames=(4, 3, 1), seed=3)  # chunks of 2; one ends short
     cleans = [x.flip(1) for x in xs]
     ts = [torch.tensor(700.0, device=DEVICE), torch.tensor([100.0, 500.0, 800.0], device=DEVICE),
           torch.tensor(300.0, device=DEVICE)]
@@ -187,7 +184,7 @@ def test_the_packed_rollout_cache_through_varlen_kernels_matches_sdpa(window):
     fast = _model(attention_backend="auto", causal_chunk_size=2, attn_window_chunks=window)
     ref = copy.deepcopy(fast)
     ref.cfg.attention_backend = "sdpa"
-    xs, texts, masks = _causal_packed_inputs()
+    xs, texts, masks = _pack(frames=(4, 3, 1), seed=3)  # chunks of 2; one ends short
     outputs = {}
     for name, model in (("fast", fast), ("ref", ref)):
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
