@@ -18,6 +18,7 @@ import torch.nn as nn
 import xxhash
 
 import trainer.checksums as checksums
+import trainer.dcp_files as dcp_files
 from trainer.checkpoint import (
     COMPLETE_FILE,
     QUARANTINE_REASON_FILE,
@@ -125,14 +126,23 @@ def test_every_file_holds_all_its_bytes_when_its_writer_fsyncs_it(tmp_path, io_p
 
 
 @pytest.mark.parametrize("beside", [False, True], ids=["inline", "on_a_second_thread"])
+@pytest.mark.parametrize("writeback", [dcp_files.WRITEBACK_BYTES, 4096 + 17],
+                         ids=["writeback_default", "writeback_every_few_kb"])
 def test_a_shard_of_tensors_larger_than_the_overlap_threshold_records_its_xxh3(
-        tmp_path, monkeypatch, beside):
-    # Where cores are free, writes this large are hashed on a second thread while written.
+        tmp_path, monkeypatch, beside, writeback):
+    # Where cores are free, writes this large are hashed on a second thread while written;
+    # every `writeback` bytes the kernel is told to start writing them out (a flush of the
+    # buffered file, then a hint): neither may change a byte of the shard.
     monkeypatch.setattr(checksums, "HASH_BESIDE", beside)
+    monkeypatch.setattr(dcp_files, "WRITEBACK_BYTES", writeback)
     big = torch.randn(checksums.OVERLAP_MIN_BYTES // 4 + 12345)
-    digests = save_dcp({"big": big, "small": torch.arange(10)}, tmp_path / "m")
+    state = {"big": big, "small": torch.arange(10)}
+    digests = save_dcp(state, tmp_path / "m")
     shard = tmp_path / "m" / "__0_0.distcp"
     assert digests["__0_0.distcp"] == xxhash.xxh3_64(shard.read_bytes()).hexdigest()
+    loaded = {"big": torch.zeros_like(big), "small": torch.zeros(10, dtype=torch.long)}
+    load_dcp_in_place(loaded, tmp_path / "m", checksums=digests)
+    assert torch.equal(loaded["big"], big) and torch.equal(loaded["small"], state["small"])
 
 
 @pytest.mark.parametrize("victim", ["transformer/__0_0.distcp", "optimizer/__0_0.distcp",

@@ -47,6 +47,44 @@ from trainer.torch_record import locate_tensor_bytes
 _HEAD_BYTES = 4096
 
 
+# Every this many bytes written to a shard, the kernel is told to start writing them to disk.
+WRITEBACK_BYTES = 4 << 20
+
+
+class _EarlyWriteback:
+    """A shard being written whose bytes go to disk while the rest of it is still written.
+
+    Left alone, the kernel keeps a shard's bytes in the page cache until the fsync that closes
+    it: the disk idles while the shard is serialised and hashed, then the fsync writes it all.
+    posix_fadvise(DONTNEED) on the range just written starts its writeback and returns at once
+    (on the 2-core VM, saves went from 1.2 to 1.9 GB/s: docs/performance.md). It drops only
+    pages already on disk, so the bytes stay as written and the closing fsync still covers
+    them; a shard just saved is not kept in the page cache.
+    """
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self._written = 0  # bytes written through this wrapper, from the start of the file
+        self._kicked = 0  # writeback has been started for bytes [0, kicked)
+        self._hinting = hasattr(os, "posix_fadvise")
+
+    def write(self, data: Any) -> int | None:
+        written = self._raw.write(data)
+        self._written += memoryview(data).nbytes if written is None else written
+        if self._hinting and self._written - self._kicked >= WRITEBACK_BYTES:
+            self._raw.flush()  # a write error (a full disk) is raised here, as it should be
+            try:
+                os.posix_fadvise(self._raw.fileno(), self._kicked, self._written - self._kicked,
+                                 os.POSIX_FADV_DONTNEED)
+            except OSError:  # a filesystem that refuses the hint: the save goes on without it
+                self._hinting = False
+            self._kicked = self._written
+        return written
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+
 class _HashingFileSystem(FileSystem):
     """DCP's local FileSystem, recording the checksum of every file it writes."""
 
@@ -61,7 +99,7 @@ class _HashingFileSystem(FileSystem):
                 yield stream
             return
         with Path(path).open(mode) as raw:
-            stream = checksums.HashingWriter(raw)
+            stream = checksums.HashingWriter(_EarlyWriteback(raw))
             yield stream  # type: ignore[misc]
         self.digests[Path(path).name] = stream.hexdigest()
 
