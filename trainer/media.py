@@ -14,6 +14,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -65,10 +66,12 @@ def write_validation_files(clips: list[np.ndarray], out: Path) -> dict:
     np.save(out / "frames.npy", frames)
     rows = [np.concatenate(list(upscale(c, 64)), axis=1) for c in clips]
     Image.fromarray(np.concatenate(rows, axis=0)).save(out / "grid.png")
-    videos = []
-    for i, clip in enumerate(clips):
-        paths = write_clip_files(clip, out / f"clip-{i:02d}")
-        videos.append(str(paths["video"]))
+    # Each mp4 is an ffmpeg process (~45 ms, mostly its start-up), so the clips are written a
+    # few at a time: 16 of them took 0.8-1.2 s of every validation one after the other.
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        written = pool.map(lambda i: write_clip_files(clips[i], out / f"clip-{i:02d}"),
+                           range(len(clips)))
+        videos = [str(paths["video"]) for paths in written]
     return {"grid": str(out / "grid.png"), "frames": str(out / "frames.npy"), "videos": videos}
 
 
