@@ -51,8 +51,8 @@ _HEAD_BYTES = 4096
 WRITEBACK_BYTES = 4 << 20
 
 
-class _EarlyWriteback:
-    """A shard being written whose bytes go to disk while the rest of it is still written.
+class EarlyWriteback:
+    """A file being written whose bytes go to disk while the rest of it is still written.
 
     Left alone, the kernel keeps a shard's bytes in the page cache until the fsync that closes
     it: the disk idles while the shard is serialised and hashed, then the fsync writes it all.
@@ -99,7 +99,7 @@ class _HashingFileSystem(FileSystem):
                 yield stream
             return
         with Path(path).open(mode) as raw:
-            stream = checksums.HashingWriter(_EarlyWriteback(raw))
+            stream = checksums.HashingWriter(EarlyWriteback(raw))
             yield stream  # type: ignore[misc]
         self.digests[Path(path).name] = stream.hexdigest()
 
