@@ -446,6 +446,43 @@ def test_async_save_writes_the_state_at_save_time_not_later(tmp_path):
         assert torch.equal(value, expected[key])
 
 
+def test_async_saves_stay_in_the_background_with_a_stager_that_closes_itself(tmp_path, monkeypatch,
+                                                                            caplog):
+    # torch 2.11's DefaultStager closes its StateDictStager after every stage (2.13's does not),
+    # which broke every later stage with KeyError: <class 'type'> and turned each save of an
+    # H200 run synchronous. Recreated here on top of the installed torch.
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    real_stage = DefaultStager._stage
+
+    def stage_then_close(self, state_dict, **kwargs):
+        try:
+            return real_stage(self, state_dict, **kwargs)
+        finally:
+            self._state_dict_stager.close()
+
+    monkeypatch.setattr(DefaultStager, "_stage", stage_then_close)
+    run = Run(0)
+    expected = {}
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"), \
+            CheckpointManager(tmp_path, async_save=True) as manager:
+        for _ in range(3):
+            run.train_step()
+            expected[run.step] = {k: v.clone() for k, v in run.model.state_dict().items()}
+            manager.save(run.step, members=run.members(), training_state={"step": run.step},
+                         dataloader_state={"cursor": run.step})
+            assert manager.in_flight
+            with torch.no_grad():
+                for p in run.model.parameters():
+                    p.add_(100.0)  # training goes on while the save is written
+    assert "could not stage" not in caplog.text
+    for step, weights in expected.items():
+        fresh = Run(3)
+        fresh.load(tmp_path / f"checkpoint-{step}")
+        assert fresh.step == step
+        assert all(torch.equal(fresh.model.state_dict()[k], v) for k, v in weights.items())
+
+
 def test_async_save_failure_is_raised_by_wait(tmp_path, monkeypatch):
     def broken_save(*args, **kwargs):
         raise OSError("disk quota exceeded")

@@ -478,6 +478,20 @@ class SaveTiming:
     total_s: float | None = None  # from save() to published; None while in flight
 
 
+def _new_stager():
+    """The host-memory stager of background saves.
+
+    Pinned buffers make the device->host copy fast and are reused save after save where torch
+    keeps them (safe: one save in flight); the copy stays synchronous, so save() returns holding
+    a consistent snapshot.
+    """
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(StagingOptions(
+        use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
+        use_async_staging=False, use_non_blocking_copy=False))
+
+
 class CheckpointManager:
     """Saves one run's checkpoints, synchronously or with at most one save in flight.
 
@@ -509,15 +523,8 @@ class CheckpointManager:
         self._executor: ThreadPoolExecutor | None = None
         self._stager = None
         if async_save:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-checkpoint")
-            # Pinned host buffers make the device->host copy fast and are reused save after
-            # save (safe: one save in flight); the copy stays synchronous, so save() returns
-            # holding a consistent snapshot.
-            self._stager = DefaultStager(StagingOptions(
-                use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
-                use_async_staging=False, use_non_blocking_copy=False))
+            self._stager = _new_stager()
         self._in_flight: Future | None = None
         self._in_flight_step: int | None = None
         self.timings: list[SaveTiming] = []
@@ -567,10 +574,9 @@ class CheckpointManager:
             self.timings.append(SaveTiming(step, blocked, waited, blocked))
             return final
         try:
-            job.members = {name: self._stager.stage(state) for name, state in job.members.items()}
+            job.members = self._stage(job.members)
         except Exception as exc:
-            # torch 2.11's DefaultStager fails on some state dicts that 2.13's copies (KeyError:
-            # <class 'type'>, seen on an H200): the checkpoint is still written, synchronously.
+            # The checkpoint is still written, synchronously: a save never fails for want of a copy.
             log.warning("could not stage checkpoint-%d in host memory for a background save "
                         "(%s: %s); saving it synchronously", step, type(exc).__name__, exc)
             _write_and_commit(job)
@@ -589,6 +595,21 @@ class CheckpointManager:
         self._in_flight_step = step
         self.timings.append(timing)
         return final
+
+    def _stage(self, members: dict[str, Any]) -> dict[str, Any]:
+        """Copy every member to host memory in one pass (one snapshot; shared tensors copied once).
+
+        torch 2.11's DefaultStager closes itself after each stage, emptying the copy table that its
+        next stage needs (KeyError: <class 'type'>), while 2.13's keeps it and its pinned buffers
+        for reuse. One retry with a fresh stager serves both: the failed call stops at the
+        top-level dict, before any tensor is copied.
+        """
+        try:
+            return self._stager.stage(members)
+        except Exception:
+            self._stager.close()
+            self._stager = _new_stager()
+            return self._stager.stage(members)
 
     def wait(self) -> Path | None:
         """Finish the save in flight, if any; return its path. Raises CheckpointError if it failed."""
