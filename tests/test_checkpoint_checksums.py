@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -241,6 +242,34 @@ def test_strided_destinations_fill_exactly_through_the_two_staging_buffers(
     _flip_8_bytes_in_the_middle(tmp_path / "m" / "__0_0.distcp")
     with pytest.raises(DCPError, match="__0_0.distcp: checksum mismatch"):
         load_dcp_in_place(fresh, tmp_path / "m", checksums=digests)
+
+
+def test_a_staging_buffer_waits_for_a_slow_hashing_thread_before_it_is_reused(tmp_path, monkeypatch):
+    # The hash of one staged tensor runs while the next is read into the other buffer, so a
+    # slow hash must hold back the read after that one: overwriting a buffer still being
+    # hashed would corrupt the digest and fail an intact checkpoint.
+    monkeypatch.setattr(checksums, "HASH_BESIDE", True)
+    real_hasher = checksums.new_hasher
+
+    class SlowHasher:
+        def __init__(self) -> None:
+            self._hasher = real_hasher()
+
+        def update(self, piece) -> None:
+            time.sleep(0.02)
+            self._hasher.update(piece)
+
+        def hexdigest(self) -> str:
+            return self._hasher.hexdigest()
+
+    torch.manual_seed(0)
+    saved = {f"t{i}": torch.randn(64, 48) for i in range(8)}  # one size: the buffers are reused
+    digests = save_dcp(saved, tmp_path / "m")
+    monkeypatch.setattr(checksums, "new_hasher", SlowHasher)
+    fresh = {key: torch.zeros(value.shape[::-1]).t() for key, value in saved.items()}
+    load_dcp_in_place(fresh, tmp_path / "m", checksums=digests)
+    for key, value in saved.items():
+        assert torch.equal(fresh[key], value), key
 
 
 def test_a_warm_start_or_export_from_a_checkpoint_with_flipped_bytes_fails_naming_the_file(

@@ -77,7 +77,7 @@ class BackgroundHasher:
     """Updates `hasher` on a thread of its own with the pieces fed to it, in the order fed.
 
     xxhash's update releases the GIL, so the feeding thread's reads or writes go on while the
-    pieces are hashed. A piece must not change until `wait()` or `finish()` has returned.
+    pieces are hashed. A piece must not change until `wait(its mark)` or `finish()` has returned.
     """
 
     def __init__(self, hasher: Any) -> None:
@@ -101,15 +101,16 @@ class BackgroundHasher:
                 self._hashed += 1
                 self._progress.notify_all()
 
-    def update(self, piece: Any) -> None:
+    def update(self, piece: Any) -> int:
+        """Queue `piece`; return its mark, for `wait(mark)`."""
         self._fed += 1
         self._pieces.put(piece)
+        return self._fed
 
-    def wait(self) -> None:
-        """Return once every piece fed so far has been hashed."""
-        fed = self._fed
+    def wait(self, mark: int) -> None:
+        """Return once the pieces up to `mark` are hashed: their memory may then be reused."""
         with self._progress:
-            self._progress.wait_for(lambda: self._hashed >= fed)
+            self._progress.wait_for(lambda: self._hashed >= mark)
 
     def finish(self) -> bool:
         """Hash what was fed, stop the thread; True if every piece went into `hasher`."""

@@ -206,6 +206,7 @@ class _HashingReader:
             if hashing and checksums.HASH_BESIDE else None
         self._position = 0  # where the next read starts
         self._hashed_to = 0  # bytes [0, hashed_to) went to the hasher, in order
+        self._mark = 0  # the background hasher's mark of the last bytes fed to it
 
     def seek(self, offset: int) -> None:
         if offset != self._position:
@@ -214,14 +215,21 @@ class _HashingReader:
 
     def _hash(self, data: Any) -> None:
         if self._hasher is not None and self._position == self._hashed_to:
-            (self._beside or self._hasher).update(data)
+            if self._beside is not None:
+                self._mark = self._beside.update(data)
+            else:
+                self._hasher.update(data)
             self._hashed_to += len(data)
         self._position += len(data)
 
-    def wait_hashed(self) -> None:
-        """Return once the bytes read so far are hashed: their memory may then be reused."""
+    def hashed_mark(self) -> int:
+        """A mark for the bytes read so far, for `wait_hashed`."""
+        return self._mark
+
+    def wait_hashed(self, mark: int) -> None:
+        """Return once the bytes read up to `mark` are hashed: their memory may then be reused."""
         if self._beside is not None:
-            self._beside.wait()
+            self._beside.wait(mark)
 
     def read_exact(self, n: int) -> bytearray:
         data = bytearray(n)
@@ -276,7 +284,7 @@ class _Staging:
         self._turn = 0
 
     def take(self, nbytes: int, device: torch.device) -> "_StagingSlot":
-        """A slot whose `bytes` holds at least `nbytes` and is no longer being copied from."""
+        """A slot whose `bytes` holds at least `nbytes` and is no longer copied from or hashed."""
         slot = self._slots[self._turn]
         self._turn ^= 1
         slot.wait()
@@ -294,6 +302,7 @@ class _StagingSlot:
         self.bytes = torch.empty(0, dtype=torch.uint8)
         self._pinned = False
         self._copied: Any = None  # a CUDA event recorded after the last copy out, until waited
+        self._hashing: tuple[_HashingReader, int] | None = None  # (reader, mark) of its bytes
 
     def reserve(self, nbytes: int, *, pinned: bool) -> None:
         # A pinned buffer serves CPU targets too: pinning is slow, so it is never undone.
@@ -312,10 +321,18 @@ class _StagingSlot:
         self._copied = torch.cuda.Event()
         self._copied.record()
 
+    def held_until_hashed(self, stream: _HashingReader) -> None:
+        """The bytes just read into this slot are being hashed by `stream`'s thread."""
+        self._hashing = (stream, stream.hashed_mark())
+
     def wait(self) -> None:
         if self._copied is not None:
             self._copied.synchronize()
             self._copied = None
+        if self._hashing is not None:
+            stream, mark = self._hashing
+            stream.wait_hashed(mark)
+            self._hashing = None
 
 
 def _read_tensor(stream: _HashingReader, info: Any, item: Any, target: torch.Tensor,
@@ -342,7 +359,8 @@ def _read_tensor(stream: _HashingReader, info: Any, item: Any, target: torch.Ten
     in_place = target.device.type == "cpu" and target.is_contiguous()
     slot = None
     if not in_place:
-        stream.wait_hashed()  # a staging buffer is about to be overwritten
+        # Waits only for this slot's last tensor, two reads back: the one just read into the
+        # other slot is hashed (and copied to the GPU) while this one is read.
         slot = staging.take(found.nbytes, target.device)
     raw = target.view(-1).view(torch.uint8) if slot is None else slot.bytes[:found.nbytes]
     view = memoryview(raw.numpy())
@@ -352,6 +370,7 @@ def _read_tensor(stream: _HashingReader, info: Any, item: Any, target: torch.Ten
     stream.readinto_exact(view[early:])
     if slot is not None:
         slot.copy_to(target)
+        slot.held_until_hashed(stream)
     consumed = len(head) + found.nbytes - early
     stream.read_exact(info.length - consumed)  # the zip entries after the tensor's bytes
 
