@@ -247,8 +247,10 @@ def test_strided_destinations_fill_exactly_through_the_two_staging_buffers(
 def test_a_staging_buffer_waits_for_a_slow_hashing_thread_before_it_is_reused(tmp_path, monkeypatch):
     # The hash of one staged tensor runs while the next is read into the other buffer, so a
     # slow hash must hold back the read after that one: overwriting a buffer still being
-    # hashed would corrupt the digest and fail an intact checkpoint.
+    # hashed would corrupt the digest and fail an intact checkpoint. Each read goes to the
+    # hashing thread in parts (here 4 KB: three per tensor), in place or staged.
     monkeypatch.setattr(checksums, "HASH_BESIDE", True)
+    monkeypatch.setattr(dcp_files, "_HASH_PART", 4096)
     real_hasher = checksums.new_hasher
 
     class SlowHasher:
@@ -266,10 +268,12 @@ def test_a_staging_buffer_waits_for_a_slow_hashing_thread_before_it_is_reused(tm
     saved = {f"t{i}": torch.randn(64, 48) for i in range(8)}  # one size: the buffers are reused
     digests = save_dcp(saved, tmp_path / "m")
     monkeypatch.setattr(checksums, "new_hasher", SlowHasher)
-    fresh = {key: torch.zeros(value.shape[::-1]).t() for key, value in saved.items()}
-    load_dcp_in_place(fresh, tmp_path / "m", checksums=digests)
-    for key, value in saved.items():
-        assert torch.equal(fresh[key], value), key
+    staged = {key: torch.zeros(value.shape[::-1]).t() for key, value in saved.items()}
+    in_place = {key: torch.zeros(value.shape) for key, value in saved.items()}
+    for fresh in (staged, in_place):
+        load_dcp_in_place(fresh, tmp_path / "m", checksums=digests)
+        for key, value in saved.items():
+            assert torch.equal(fresh[key], value), key
 
 
 def test_a_warm_start_or_export_from_a_checkpoint_with_flipped_bytes_fails_naming_the_file(

@@ -45,6 +45,7 @@ from trainer.torch_record import locate_tensor_bytes
 
 # A tensor record's zip entries before its bytes take a few hundred bytes: one page holds them.
 _HEAD_BYTES = 4096
+_HASH_PART = 16 << 20  # bytes of a read handed to the hashing thread at a time
 
 
 # Every this many bytes written to a shard, the kernel is told to start writing them to disk.
@@ -243,12 +244,15 @@ class _HashingReader:
                 self._fill(piece)
                 self._hash(piece)
             return
-        for start in range(0, len(view), checksums.PIECE):
-            self._fill(view[start:start + checksums.PIECE])
-        # The hashing thread takes the whole read at once and hashes it while the next one
-        # runs. Handing it each 1 MiB piece instead woke it (and switched the GIL) 300 times
-        # per 300 MB; on busy cores each switch waited for the scheduler.
-        self._hash(view)
+        # The hashing thread takes the read in parts of 16 MiB, each hashed while the next is
+        # read, so at most one part is left to hash when a file's last read ends. Handing it
+        # each 1 MiB piece instead woke it (and switched the GIL) 300 times per 300 MB; on busy
+        # cores each switch waited for the scheduler.
+        for start in range(0, len(view), _HASH_PART):
+            part = view[start:start + _HASH_PART]
+            for offset in range(0, len(part), checksums.PIECE):
+                self._fill(part[offset:offset + checksums.PIECE])
+            self._hash(part)
 
     def _fill(self, piece: memoryview) -> None:
         filled = 0
