@@ -1,11 +1,13 @@
-# What is still to be measured or run on a GPU machine, one part per call, in priority order.
-# Each part fits in a 10-minute call; results go under $OUT (or ./gpu-pending).
+# The GPU checks of the checkpoint and data paths, one part per call (each fits in 10 minutes);
+# results go under $OUT (or ./gpu-pending). Last run on an H200 on 2026-12-02 (session 8):
+# docs/performance.md, "The H200 host again". Run them again after changing those paths.
 #
-#   bash benchmarks/gpu_pending.sh tests        # every GPU test (~2 min): packed varlen paths,
-#                                               # CUDA checkpoint staging, cp caption path
+#   bash benchmarks/gpu_pending.sh tests        # every GPU test (~4 min): attention kernels,
+#                                               # packed varlen paths, pinned data batches,
+#                                               # CUDA checkpoint staging
 #   bash benchmarks/gpu_pending.sh checkpoint   # the checkpoint benchmark on the host, hashing
-#                                               # on a second thread and inline (~4 min)
-#   bash benchmarks/gpu_pending.sh checkpoint-cuda   # the same with the state on the GPU (~3 min)
+#                                               # on a second thread and inline (~5 min)
+#   bash benchmarks/gpu_pending.sh checkpoint-cuda   # the same with the state on the GPU (~2 min)
 #
 # On the device machine, first make the project's wheels and the kernel bundle importable
 # (../shared/tools/device-wheels.sh and gpu-kernels-bundle.sh build them here; carry them):
