@@ -633,8 +633,8 @@ def test_kv_cache_flowmap_sampling_equals_teacher_forcing_sampling(guidance, fir
 
 def stage1_overrides(**model):
     config = dict(in_channels=3, hidden_size=96, num_attention_heads=4, num_layers=4, mlp_ratio=4.0,
-                  patch_size=[1, 4, 4], rope_axes_dim=[8, 8, 8], text_dim=32, qk_norm=True,
-                  causal_chunk_size=2, two_time=True, time_gate=0.25)
+                  patch_size=[2, 4, 4], rope_axes_dim=[8, 8, 8], text_dim=32, qk_norm=True,
+                  causal_chunk_size=4, two_time=True, time_gate=0.25)
     config.update(model)
     return {"transformer_config_overrides": {k: v for k, v in config.items() if v is not None}}
 

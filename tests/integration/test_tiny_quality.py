@@ -3,9 +3,9 @@
 This is the slow test of the suite: it trains the shipped tiny configs unchanged (only the
 directories move into tmp) and scores the SFT checkpoint with `relay eval`, the same pixel
 detector users read, against the bar the embedded default promises (docs/training.md).
-About 5 minutes on two idle cores (estimated, docs/training.md); 21.7 minutes measured on the
-2-core VM with load average 3.6-6.2 (five engineers' jobs), so its timeout is three times
-that.
+About 2.5 minutes on two idle cores (docs/training.md); 21.7 minutes were measured on the
+2-core VM with load average 3.6-6.2 (five engineers' jobs) when a clip cost twice as much, so
+its timeout is three times that.
 """
 
 import json
