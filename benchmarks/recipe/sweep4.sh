@@ -4,10 +4,14 @@
 # (sed), pretrains 1000 steps validated every 100 (16 captions), then runs the shipped SFT
 # from checkpoints 600, 700 and 800 and `relay eval` (48 captions, 30 Euler steps, CFG 4), and
 # from 800 the whole chain: Stage1 and Stage2 at their shipped step counts, each evaluated
-# (4 steps, guidance 1). Results: $O/*/eval.json and the pretrain's metrics.jsonl.
+# (4 steps, guidance 1). Results: $O/*/eval.json and the pretrain's metrics.jsonl;
+# `python benchmarks/recipe/summarize.py $O` prints them. The variants edit the tiny configs
+# as they were when it ran (commit c9dae2d: patch (1, 4, 4), Stage1 chunks of 2, 300 x 8 at
+# lr 2e-4), read from git, so it measures the same thing in any later checkout.
 O=${O:-/tmp/sw4}; mkdir -p $O; export OMP_NUM_THREADS=1
-PY=${PY:-python3}
-cfg(){ local d=$O/cfg-$1; mkdir -p $d; for s in pretrain sft stage1 stage2; do sed "$2" config/tiny/$s.yaml >$d/$s.yaml; done; }
+PY=${PY:-python3}; BASE=c9dae2d
+cfg(){ local d=$O/cfg-$1; mkdir -p $d
+       for s in pretrain sft stage1 stage2; do git show $BASE:config/tiny/$s.yaml | sed "$2" >$d/$s.yaml; done; }
 T(){ local n=$1 v=$2 c=$3; shift 3; $PY trainer/train.py --config $O/cfg-$v/$c.yaml --output_dir $O/$n --dtype float32 "$@" >$O/$n.log 2>&1; }
 E(){ $PY -m launcher.cli eval --checkpoint $O/$1 --steps $2 --guidance $3 --out $O/$1/eval.json >>$O/$1.log 2>&1; }
 D="--data_path $O/ds"
