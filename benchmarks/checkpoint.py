@@ -13,10 +13,10 @@ What it measures, all in one run and on one directory (so on one disk):
    file's pages from the page cache (posix_fadvise DONTNEED) and read it back into that
    buffer (cold read MB/s), then again (warm read: page cache). Measured before and after
    each repeat's saves and loads; the mean of the two is that repeat's reference.
-2. save: `trainer.checkpoint.save_checkpoint` of a model + AdamW state of about --size-mb
+2. save: `trainer.checkpoint.store.save_checkpoint` of a model + AdamW state of about --size-mb
    (weights are a third of it, the two moment tensors the rest), synchronous, everything
    fsynced and published (COMPLETE, rename). MB/s = bytes on disk / seconds.
-3. load: `trainer.checkpoint.load_checkpoint` of that checkpoint into a fresh model and
+3. load: `trainer.checkpoint.store.load_checkpoint` of that checkpoint into a fresh model and
    optimizer, cold (its files dropped from the page cache first) and warm. The checkpoint is
    read and loaded once, untimed, before the cold loads, so that both loads of a pair find the
    disk (and a VM host's cache of it) alike; the raw file is read once before its cold read.
@@ -60,8 +60,8 @@ if __package__ in (None, ""):
 import torch
 from torch import nn
 
-from trainer import checksums, dcp_files
-from trainer.checkpoint import (
+from trainer.checkpoint import checksums, dcp_files
+from trainer.checkpoint.store import (
     COMPLETE_FILE,
     CheckpointManager,
     ModelMember,
@@ -139,7 +139,7 @@ def settle() -> None:
 def raw_write(path: Path, data: memoryview, *, early_writeback: bool) -> float:
     """Seconds to write `data` to a new file in CHUNK calls and fsync it.
 
-    early_writeback: through relay's shard writer's `EarlyWriteback` (trainer.dcp_files), which
+    early_writeback: through relay's shard writer's `EarlyWriteback` (trainer.checkpoint.dcp_files), which
     starts each few MiB's writeback once written, so the disk works during the writes rather
     than only in the fsync. On the 2-core VM that write is the faster one: it is the reference.
     """

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-TIME_FREQ_DIM = 256  # relay's sinusoidal timestep width (trainer.model.TIME_FREQ_DIM)
+TIME_FREQ_DIM = 256  # relay's sinusoidal timestep width (trainer.models.dit.module.TIME_FREQ_DIM)
 
 
 def _linear(tokens: int, fan_in: int, fan_out: int) -> int:

@@ -10,7 +10,7 @@ all. The assumptions are options, printed with the table.
 
 `run` evaluates the trained stages of a pipeline root (with --train it first trains them with
 `relay run PIPELINE --root ROOT`) on the benchmark's fixed captions with the pixel checker of
-`relay eval` (trainer.scene_checker): the SFT teacher at 1, 2, 4, 8 and 50 Euler steps with
+`relay eval` (trainer.evaluation.scene_checker): the SFT teacher at 1, 2, 4, 8 and 50 Euler steps with
 its CFG, Stage1 (flow map, guidance fused) and Stage2 (causal rollout) at 1, 2 and 4 steps.
 For each: every attribute score, mean score, fidelity, temporal consistency, function
 evaluations per clip (measured: video tokens through the first block over the clip's tokens,
@@ -57,7 +57,7 @@ def stage_work(args) -> dict:
     step the student also rolls out, replays its exit chunk with grad over twice the tokens
     (3), and scores with the teacher's CFG pair (2) and the critic (1).
     """
-    from trainer.schema import model_config
+    from trainer.config.schema import model_config
 
     cfg = model_config(args)
     pt, ph, pw = cfg["patch_size"]
@@ -86,7 +86,7 @@ def plan(pipeline_path: str, tflops: float, pass_floor_s: float) -> dict:
     """Minutes of every stage of a pipeline at `tflops` TFLOP/s achieved, a step taking at
     least `pass_floor_s` per forward pass per layer. Torch-free."""
     from launcher.pipeline import load_pipeline_yaml
-    from trainer.args import resolve_config
+    from trainer.config.args import resolve_config
 
     spec = load_pipeline_yaml(pipeline_path)
     stages, total = [], 0.0
@@ -189,9 +189,9 @@ def evaluate_stage(stage_dir: Path, steps_list, *, captions: int, seed: int, dev
     """One row per step count: scores, function evaluations and wall time per clip."""
     import torch
 
-    from trainer.evaluate import evaluation_suite, latents_to_frames, summary_scores
-    from trainer.inference import generate, load_model_for_inference
-    from trainer.sampling import sampler_settings
+    from trainer.evaluation.evaluate import evaluation_suite, latents_to_frames, summary_scores
+    from trainer.evaluation.inference import generate, load_model_for_inference
+    from trainer.diffusion.sampling import sampler_settings
 
     loaded = load_model_for_inference(stage_dir, "auto", device=device)
     prompts, score = evaluation_suite(loaded.args.get("synthetic_generator", "shapes"))

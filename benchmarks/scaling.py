@@ -6,7 +6,7 @@
 CPU part (this file): the tiny pretrain (config/tiny/pretrain.yaml, a smaller model as in the
 integration tests) run by train.py itself, with the same global batch split as one process,
 FSDP2 over 2 ranks, hybrid shard 2 x 2 (4 ranks, gloo), Ulysses cp 2 and dp 2 x cp 2
-(trainer.context_parallel: the cp ranks of a group share its samples). The figure is the median
+(trainer.parallel.context_parallel: the cp ranks of a group share its samples). The figure is the median
 step_time_s of metrics.jsonl after the first 5 steps (warm-up, first touch of memory), and
 the losses of the runs are compared (they must agree: the split does not change the
 step). On a machine with fewer cores than ranks the ranks share cores, so the figure is an
@@ -14,7 +14,7 @@ upper bound of the overhead, not a scaling curve.
 
 GPU part (not written yet; needs the device tool): memory and step time at the Wan-1.3B size
 with no / selective / full checkpointing, compiled and not, beside
-trainer.memory_estimate's figure.
+trainer.parallel.memory_estimate's figure.
 """
 
 from __future__ import annotations

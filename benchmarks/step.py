@@ -49,7 +49,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.cuda_memory import configure_cuda_allocator  # noqa: E402  (before torch touches CUDA)
+from trainer.runtime.cuda_memory import configure_cuda_allocator  # noqa: E402  (before torch touches CUDA)
 
 configure_cuda_allocator()
 
@@ -125,7 +125,7 @@ class FixedBatches:
 
 def relay_args(size: dict, mode: str, checkpointing: str, attention: str, workdir: str):
     """train.py's arguments for this run, through train.py's own parser."""
-    from trainer.args import resolve_args
+    from trainer.config.args import resolve_args
 
     argv = ["--config", str(Path(__file__).resolve().parents[1] / "config/tiny/pretrain.yaml"),
             "--transformer_config_overrides", json.dumps(relay_overrides(size, attention)),
@@ -144,8 +144,8 @@ def relay_args(size: dict, mode: str, checkpointing: str, attention: str, workdi
 def build_relay(size: dict, mode: str, checkpointing: str, attention: str, device, workdir: str):
     """(step function, parameter count, model config) of relay's FlowMatchingStage."""
     from trainer.build import build_ema, build_optimization, build_text_encoder, prepare_for_training
-    from trainer.model import VideoDiT
-    from trainer.schema import model_config
+    from trainer.models.dit.module import VideoDiT
+    from trainer.config.schema import model_config
     from trainer.stages.fm import FlowMatchingStage
 
     args = relay_args(size, mode, checkpointing, attention, workdir)
@@ -165,7 +165,7 @@ def build_wan(size: dict, mode: str, checkpointing: str, device):
     """(step function, parameter count, config) of the same training step on diffusers' Wan."""
     from diffusers import WanTransformer3DModel
 
-    from trainer.optim import build_lr_scheduler
+    from trainer.optim.optimizers import build_lr_scheduler
 
     import torch._inductor.config as inductor_config
 
@@ -240,7 +240,7 @@ def matmul_ceiling(device, n: int, repeats: int = 20) -> dict:
 
 def time_attention(device, size: dict, attention: str, repeats: int = 10) -> list[dict]:
     """Forward + backward of the video attention (N queries over N + L keys) by kernel."""
-    from trainer import attention as attn
+    from trainer.models import attention as attn
 
     n, length = video_tokens(size), size["text"]
     heads, head_dim = size["heads"], size["hidden"] // size["heads"]
@@ -421,22 +421,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--activation-memory-budget", type=float, default=None,
                         help="the compile partitioner's activation_memory_budget (the fraction of "
                              "its default saved activations to keep) for both models; default: "
-                             "relay's own, trainer.model.ACTIVATION_MEMORY_BUDGET")
+                             "relay's own, trainer.models.dit.module.ACTIVATION_MEMORY_BUDGET")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
     # One partitioner setting for both models (it is process-wide, and relay's compile sets its
     # own), so their compiled steps are compared under the same recompute policy.
     import torch._functorch.config as functorch_config
 
-    import trainer.model
+    import trainer.models.dit.module
 
     if args.activation_memory_budget is not None and not 0 <= args.activation_memory_budget <= 1:
         parser.error(f"--activation-memory-budget {args.activation_memory_budget}: a fraction "
                      "from 0 (recompute everything) to 1 (torch's default)")
     if args.activation_memory_budget is None:
-        args.activation_memory_budget = trainer.model.ACTIVATION_MEMORY_BUDGET
+        args.activation_memory_budget = trainer.models.dit.module.ACTIVATION_MEMORY_BUDGET
     functorch_config.activation_memory_budget = args.activation_memory_budget
-    trainer.model.ACTIVATION_MEMORY_BUDGET = args.activation_memory_budget
+    trainer.models.dit.module.ACTIVATION_MEMORY_BUDGET = args.activation_memory_budget
     args.profile = [p for p in args.profile.split(",") if p]
     runs = [r for r in args.runs.split(",") if r]
     for spec in runs + args.profile:

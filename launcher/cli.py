@@ -1,7 +1,7 @@
 """`relay`: the command line of the project.
 
 Each subcommand is a small function here that hands off to the module doing the work; the
-argument parsing of train.py itself lives in trainer/args.py and is reused, never copied.
+argument parsing of train.py itself lives in trainer/config/args.py and is reused, never copied.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import sys
 
 
 def cmd_resolve(ns: argparse.Namespace) -> int:
-    from trainer.args import resolve_config
-    from trainer.schema import ConfigError
+    from trainer.config.args import resolve_config
+    from trainer.config.schema import ConfigError
 
     try:
         args = resolve_config(ns.config, ns.overrides)
@@ -25,7 +25,7 @@ def cmd_resolve(ns: argparse.Namespace) -> int:
 
 
 def cmd_sample(ns: argparse.Namespace) -> int:
-    from trainer.inference import InferenceError, sample_to_dir
+    from trainer.evaluation.inference import InferenceError, sample_to_dir
 
     try:
         paths = sample_to_dir(ns.checkpoint, ns.prompt, out_dir=ns.out, steps=ns.steps,
@@ -40,7 +40,7 @@ def cmd_sample(ns: argparse.Namespace) -> int:
 
 
 def cmd_eval(ns: argparse.Namespace) -> int:
-    from trainer.inference import InferenceError, evaluate_checkpoint
+    from trainer.evaluation.inference import InferenceError, evaluate_checkpoint
 
     try:
         report = evaluate_checkpoint(ns.checkpoint, steps=ns.steps, guidance=ns.guidance,
@@ -57,8 +57,8 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
-    from trainer.checkpoint import CheckpointError
-    from trainer.inference import InferenceError, export_checkpoint
+    from trainer.checkpoint.store import CheckpointError
+    from trainer.evaluation.inference import InferenceError, export_checkpoint
 
     try:
         out = export_checkpoint(ns.path, ns.out, weights=ns.weights)
@@ -276,7 +276,7 @@ def cmd_cancel(ns: argparse.Namespace) -> int:
 
 
 def cmd_env_probe(ns: argparse.Namespace) -> int:
-    from trainer.environment import print_probe
+    from trainer.runtime.environment import print_probe
 
     return print_probe(as_json=ns.json, import_kernels=ns.import_kernels)
 

@@ -33,9 +33,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from trainer.files import write_json
+from trainer.runtime.files import write_json
 
-PREEMPTED = 75  # trainer.preemption.PREEMPTED_EXIT_CODE (kept importable without torch)
+PREEMPTED = 75  # trainer.runtime.preemption.PREEMPTED_EXIT_CODE (kept importable without torch)
 REQUEUE_GRACE_S = 600  # how long rank 0 waits for Slurm to stop it after `scontrol requeue`
 WARMUP_REPORT_ENV = "RELAY_WARMUP_REPORT"  # trainer.warmup.REPORT_ENV (importable without torch)
 WARMUP_RESULT = "warmup-result.json"  # in <root>/warmup: the outcome of the whole warm-up

@@ -39,7 +39,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from trainer.schema import closest_key
+from trainer.config.schema import closest_key
 
 PIPELINE_KEYS = ("name", "root", "cluster", "stages")
 STAGE_KEYS = ("config", "overrides", "output_dir", "resources", "job_name")
@@ -144,7 +144,7 @@ class StageSpec:
     job_name: str
     resources: Resources
     train_argv: tuple[str, ...]
-    args: Any  # trainer.args.ResolvedArgs: the arguments train.py will resolve
+    args: Any  # trainer.config.args.ResolvedArgs: the arguments train.py will resolve
     depends_on: tuple[str, ...]
     plan: str = ""  # topology, global batch and memory per GPU (trainer.preflight.describe_plan)
 
@@ -236,7 +236,7 @@ def parse_time_minutes(value: Any) -> int:
 
 
 def format_override(value: Any, kind: str) -> str:
-    """The command-line text train.py reads back as exactly `value` (see trainer.args).
+    """The command-line text train.py reads back as exactly `value` (see trainer.config.args).
 
     Strings and paths are taken verbatim by train.py; everything else is YAML flow syntax.
     """
@@ -258,7 +258,7 @@ def render_train_argv(config: str, overrides: Mapping[str, Any]) -> list[str]:
     `--key=value` (not two tokens) so a value starting with "-" is never read as an option.
     Unknown keys are passed through; train.py (and validation) reject them.
     """
-    from trainer.schema import ARGS, LEGACY_KEYS
+    from trainer.config.schema import ARGS, LEGACY_KEYS
 
     argv = ["--config", str(config)]
     for key, value in overrides.items():
@@ -520,9 +520,9 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
     Returns the Pipeline (selected stages only in `stages`). Raises PipelineError listing every
     problem, each prefixed with its stage.
     """
-    from trainer.args import resolve_config
+    from trainer.config.args import resolve_config
     from trainer.preflight import describe_plan
-    from trainer.schema import ConfigError
+    from trainer.config.schema import ConfigError
 
     base = Path(cwd).resolve() if cwd else Path.cwd()
     path = Path(path)
@@ -660,7 +660,7 @@ def plan_warmup(name: str, root: str, specs: list[StageSpec], cluster: Resources
 
 def _absolute_path_overrides(overrides: dict[str, Any], args) -> dict[str, Any]:
     """Path overrides as the absolute paths train.py resolved them to (cwd-independent argv)."""
-    from trainer.schema import ARGS
+    from trainer.config.schema import ARGS
 
     out = {}
     for key, value in overrides.items():
@@ -673,8 +673,8 @@ def _absolute_path_overrides(overrides: dict[str, Any], args) -> dict[str, Any]:
 
 def _check_argv_round_trip(where: str, config: str, argv: list[str], args, base: Path) -> list[str]:
     """The job passes `argv` to train.py: it must resolve to what was validated."""
-    from trainer.args import resolve_config
-    from trainer.schema import ConfigError
+    from trainer.config.args import resolve_config
+    from trainer.config.schema import ConfigError
 
     try:
         with warnings.catch_warnings():
@@ -692,7 +692,7 @@ def _check_argv_round_trip(where: str, config: str, argv: list[str], args, base:
 
 def weight_path_keys(args) -> list[str]:
     """train.py keys that name weights to start from: every path key except output_dir."""
-    from trainer.schema import ARGS
+    from trainer.config.schema import ARGS
 
     return [k for k, a in ARGS.items() if a.kind == "path" and k != "output_dir"
             and args.get(k) is not None]
@@ -708,7 +708,7 @@ def weights_choice(args, key: str) -> str:
 
 def has_complete_checkpoint(output_dir: str | os.PathLike) -> bool:
     """Whether `output_dir` holds at least one checkpoint-<step>/ with its COMPLETE marker."""
-    from trainer.checkpoint_layout import list_checkpoints
+    from trainer.checkpoint.layout import list_checkpoints
 
     return bool(list_checkpoints(output_dir))
 
@@ -723,8 +723,8 @@ def check_weight_sources(spec: StageSpec, launched: list[StageSpec], output_dirs
     Appends a note when the stage's own output_dir already has checkpoints (it will resume,
     not warm start).
     """
-    from trainer.checkpoint_layout import CheckpointError
-    from trainer.weights_source import resolve_weights_source
+    from trainer.checkpoint.layout import CheckpointError
+    from trainer.checkpoint.weights_source import resolve_weights_source
 
     if has_complete_checkpoint(spec.output_dir):
         notes.append(f"stage {spec.name}: {spec.output_dir} already holds checkpoints, so the job "

@@ -90,7 +90,7 @@ def read_progress(output_dir: str | os.PathLike, max_steps: int | None = None) -
 
     Before a run's first metrics line the step is its newest checkpoint's (where it resumes).
     """
-    from trainer.checkpoint_layout import list_checkpoints
+    from trainer.checkpoint.layout import list_checkpoints
 
     out = Path(output_dir)
     metrics = read_last_json_line(out / "metrics.jsonl")

@@ -26,16 +26,16 @@ import torch.nn as nn  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
-from trainer.checkpoint import (
+from trainer.checkpoint.store import (
     CheckpointManager,
     ModelMember,
     OptimizerMember,
     find_resume_checkpoint,
     load_checkpoint,
 )  # noqa: E402
-from trainer.rng import capture_rng_state, restore_rng_state  # noqa: E402
-from trainer.warm_start import load_warm_start  # noqa: E402
-from trainer.distributed import any_rank, destroy  # noqa: E402
+from trainer.checkpoint.rng import capture_rng_state, restore_rng_state  # noqa: E402
+from trainer.checkpoint.warm_start import load_warm_start  # noqa: E402
+from trainer.parallel.distributed import any_rank, destroy  # noqa: E402
 
 
 def build(seed: int, mesh) -> tuple[nn.Module, torch.optim.Optimizer]:

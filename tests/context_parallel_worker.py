@@ -3,7 +3,7 @@ DiT with its video and caption tokens split over a cp group of all ranks, agains
 model unsplit on the same inputs. Captions of 5 tokens (one with 3 real ones) and a pack of
 3 + 5 + 3 caption tokens: no count divides by 2 or 4. Writes <out>/<rank>.json: the largest
 output and gradient differences of each case (gradients: the group's sum over size, see
-trainer.context_parallel), the caption tokens a block's text stream held in each model, how
+trainer.parallel.context_parallel), the caption tokens a block's text stream held in each model, how
 much the output moves when one rank's share of the caption changes, the heads a rollout's
 caption cache keeps (stacked and packed), and the message of a split that must be refused."""
 
@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.context_parallel import attach
-from trainer.distributed import destroy
-from trainer.model import VideoDiT
+from trainer.parallel.context_parallel import attach
+from trainer.parallel.distributed import destroy
+from trainer.models.dit.module import VideoDiT
 
 BASE = dict(in_channels=3, hidden_size=32, num_attention_heads=4, num_layers=2,
             rope_axes_dim=(4, 2, 2), text_dim=16, patch_size=(1, 2, 2), qk_norm=True,

@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --nproc_per_node N --master_port P tests/data_rank_worker.py DATA OUT CP
 
-Joins the gloo process group through trainer.distributed, builds this rank's iterator with
+Joins the gloo process group through trainer.parallel.distributed, builds this rank's iterator with
 trainer.build.build_data (packs of a FastVideo-layout dataset, 2 workers), reads one epoch and
 writes OUT/rank-<rank>.json with its dp rank and the global sample indices it read.
 """
@@ -15,9 +15,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.args import resolve_args
+from trainer.config.args import resolve_args
 from trainer.build import build_data
-from trainer.distributed import barrier, broadcast_from_rank0, destroy, init_distributed
+from trainer.parallel.distributed import barrier, broadcast_from_rank0, destroy, init_distributed
 
 
 def main() -> None:

@@ -13,8 +13,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-import trainer.optim as optim
-from trainer.distributed import destroy
+import trainer.optim.optimizers as optim
+from trainer.parallel.distributed import destroy
 
 
 def build() -> nn.Module:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer.args import resolve_args, resolve_config
+from trainer.config.args import resolve_args, resolve_config
 
-from trainer.schema import ARGS, ConfigError, render_reference
+from trainer.config.schema import ARGS, ConfigError, render_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -304,5 +304,5 @@ def test_relay_resolve_prints_the_same_json():
 def test_config_reference_is_up_to_date():
     doc = (ROOT / "docs" / "config-reference.md").read_text()
     assert doc == render_reference(), (
-        "docs/config-reference.md is stale: run `python -m trainer.schema --markdown > "
+        "docs/config-reference.md is stale: run `python -m trainer.config.schema --markdown > "
         "docs/config-reference.md`")

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
-from trainer import attention as attn
-from trainer.attention import (
+from trainer.models import attention as attn
+from trainer.models.attention import (
     ChunkLayout,
     attend,
     attention_varlen,
@@ -128,7 +128,7 @@ def _masked_reference(q, k, v, allowed):
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("layout", LAYOUTS[:3:2], ids=lambda l: l.kind)
 def test_flex_kernel_computes_the_chunked_attention_of_the_dense_mask(layout):
-    from trainer.attention import _flex, _flex_block_mask
+    from trainer.models.attention import _flex, _flex_block_mask
 
     q, k, v = _qkv(2, layout.num_queries, layout.num_keys)
     lengths = torch.tensor([layout.num_keys, layout.num_keys - 2])

@@ -18,8 +18,8 @@ import torch.nn as nn
 
 import torch.distributed.checkpoint as ckpt_dcp
 
-import trainer.checkpoint as ckpt
-from trainer.checkpoint import (
+import trainer.checkpoint.store as ckpt
+from trainer.checkpoint.store import (
     COMPLETE_FILE,
     CheckpointError,
     CheckpointIncompatibleError,
@@ -34,7 +34,7 @@ from trainer.checkpoint import (
     save_checkpoint,
     validate_checkpoint,
 )
-from trainer.rng import capture_rng_state, restore_rng_state
+from trainer.checkpoint.rng import capture_rng_state, restore_rng_state
 
 
 class Run:
@@ -464,7 +464,7 @@ def test_async_saves_stay_in_the_background_with_a_stager_that_closes_itself(tmp
     monkeypatch.setattr(DefaultStager, "_stage", stage_then_close)
     run = Run(0)
     expected = {}
-    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"), \
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint.store"), \
             CheckpointManager(tmp_path, async_save=True) as manager:
         for _ in range(3):
             run.train_step()

@@ -18,9 +18,9 @@ import torch
 import torch.nn as nn
 import xxhash
 
-import trainer.checksums as checksums
-import trainer.dcp_files as dcp_files
-from trainer.checkpoint import (
+import trainer.checkpoint.checksums as checksums
+import trainer.checkpoint.dcp_files as dcp_files
+from trainer.checkpoint.store import (
     COMPLETE_FILE,
     QUARANTINE_REASON_FILE,
     CheckpointError,
@@ -30,7 +30,7 @@ from trainer.checkpoint import (
     OptimizerMember,
     save_checkpoint,
 )
-from trainer.dcp_io import DCPError, load_dcp_in_place, read_dcp_state_dict, save_dcp
+from trainer.checkpoint.dcp_io import DCPError, load_dcp_in_place, read_dcp_state_dict, save_dcp
 
 
 @pytest.fixture(params=["inline", "threaded"])
@@ -278,7 +278,7 @@ def test_a_staging_buffer_waits_for_a_slow_hashing_thread_before_it_is_reused(tm
 
 def test_a_warm_start_or_export_from_a_checkpoint_with_flipped_bytes_fails_naming_the_file(
         tmp_path, io_path):
-    from trainer.warm_start import load_warm_start, read_weights, resolve_weights_source
+    from trainer.checkpoint.warm_start import load_warm_start, read_weights, resolve_weights_source
 
     run = Run(0)
     path = run.save(tmp_path, 1)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from trainer.checkpoint import ModelMember, load_checkpoint
+from trainer.checkpoint.store import ModelMember, load_checkpoint
 
 WORKER = Path(__file__).resolve().parent / "checkpoint_worker.py"
 

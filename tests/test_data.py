@@ -11,7 +11,7 @@ from trainer.data import (
     decode_tensor,
     resolve_data_paths,
 )
-from trainer.synthetic import generate_dataset, make_clip
+from trainer.data.synthetic import generate_dataset, make_clip
 
 
 @pytest.fixture(scope="module")

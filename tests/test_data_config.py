@@ -4,8 +4,8 @@ import warnings
 
 import pytest
 
-from trainer.args import resolve_args
-from trainer.schema import ConfigError
+from trainer.config.args import resolve_args
+from trainer.config.schema import ConfigError
 
 SEED_KEYS = """
 data:

@@ -13,7 +13,7 @@ imageio = pytest.importorskip("imageio.v3")
 
 from trainer.data import ParquetLatentDataset, SampleIndex
 from trainer.data.encode import EncodeError, MediaEncoder, encode_manifest, load_media
-from trainer.text_encoder import build_text_encoder
+from trainer.encoders.text import build_text_encoder
 
 from fixtures.tiny_encoders import save_text_encoder, save_vae
 

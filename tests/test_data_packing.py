@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from trainer.data.packing import pack_layout
-from trainer.model import VideoDiT
+from trainer.models.dit.module import VideoDiT
 
 torch.set_num_threads(1)
 C, D = 2, 6
@@ -68,7 +68,7 @@ def test_samples_in_a_pack_do_not_see_each_other():
 def test_varlen_runs_of_a_pack_attend_like_its_block_diagonal_mask():
     # The GPU path of a pack: each sample's used keys gathered into one run for a varlen
     # kernel. Checked here through SDPA per run against the dense mask CPU packs use.
-    from trainer.attention import AttentionPlan, attend, packed_keys
+    from trainer.models.attention import AttentionPlan, attend, packed_keys
 
     xs, _, texts, masks = _samples()
     layout = pack_layout(xs, texts, (1, 2, 2))
@@ -92,7 +92,7 @@ def test_a_latent_off_the_patch_grid_is_refused():
 
 
 def _fm_args(tmp_path, **keys):
-    from trainer.args import resolve_args
+    from trainer.config.args import resolve_args
 
     argv = ["--data_path", str(tmp_path), "--output_dir", str(tmp_path / "out"), "--cfg_drop_prob", "0"]
     for key, value in keys.items():
@@ -102,7 +102,7 @@ def _fm_args(tmp_path, **keys):
 
 @pytest.mark.parametrize("keys", [{}, {"flow_snr_type": "lognorm", "train_timestep_shift_mode": "dynamic"}])
 def test_packed_fm_loss_and_gradients_equal_the_per_sample_mean(tmp_path, keys):
-    from trainer.sample_draws import SampleDraws
+    from trainer.diffusion.sample_draws import SampleDraws
     from trainer.stages.fm import PackedForward, fm_loss, fm_loss_packed
 
     args = _fm_args(tmp_path, **keys)
@@ -195,7 +195,7 @@ def _stage1_model():
 
 def _anyflow_losses(tmp_path, pack_xs, texts, masks, keys, null_len=5, **arg_keys):
     """(packed loss, its gradients, stacked-or-alone reference loss, its gradients)."""
-    from trainer.sample_draws import SampleDraws
+    from trainer.diffusion.sample_draws import SampleDraws
     from trainer.stages.tf_anyflow import (TeacherForcingForward, TeacherForcingPackedForward,
                                            anyflow_batch_loss, anyflow_pack_loss)
 
@@ -219,7 +219,7 @@ def _anyflow_losses(tmp_path, pack_xs, texts, masks, keys, null_len=5, **arg_key
 def test_packed_stage1_loss_and_gradients_equal_the_stacked_batch(tmp_path):
     """Samples of one shape: the pack's loss is the batch's, over every pair kind, caption drop,
     clean first frames and the fused guidance target."""
-    from trainer.sample_draws import SampleDraws
+    from trainer.diffusion.sample_draws import SampleDraws
 
     g = torch.Generator().manual_seed(4)
     xs = [torch.randn(C, 4, 4, 6, generator=g) for _ in range(4)]
@@ -240,7 +240,7 @@ def test_packed_stage1_loss_and_gradients_equal_the_stacked_batch(tmp_path):
 
 
 def test_packed_stage1_loss_of_mixed_shapes_is_the_mean_of_each_sample_alone(tmp_path):
-    from trainer.sample_draws import SampleDraws
+    from trainer.diffusion.sample_draws import SampleDraws
 
     xs, _, texts, masks = _causal_samples()
     # captions padded to one length (7), as the stacked reference needs for its caption drop

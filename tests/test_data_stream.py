@@ -20,7 +20,7 @@ from trainer.data import (
     ParquetLatentDataset,
     SampleIndex,
 )
-from trainer.synthetic import generate_dataset
+from trainer.data.synthetic import generate_dataset
 
 PATCH = (1, 2, 2)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainer.dcp_io import load_dcp_in_place, read_dcp_metadata, read_dcp_state_dict
+from trainer.checkpoint.dcp_io import load_dcp_in_place, read_dcp_metadata, read_dcp_state_dict
 
 
 class _RunsCode:

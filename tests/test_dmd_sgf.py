@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import flow
-from trainer.args import resolve_config
-from trainer.schema import ConfigError
-from trainer.ema import EMA
-from trainer.model import VideoDiT
+from trainer.diffusion import flow
+from trainer.config.args import resolve_config
+from trainer.config.schema import ConfigError
+from trainer.optim.ema import EMA
+from trainer.models.dit.module import VideoDiT
 from trainer.stages import dmd_sgf as D
 from trainer.stages import rollout as R
 
@@ -394,9 +394,9 @@ def stage_args(**overrides):
 
 
 def make_stage(**overrides):
-    from trainer.schema import model_config
-    from trainer.optim import build_lr_scheduler, build_optimizer
-    from trainer.text_encoder import build_text_encoder
+    from trainer.config.schema import model_config
+    from trainer.optim.optimizers import build_lr_scheduler, build_optimizer
+    from trainer.encoders.text import build_text_encoder
 
     args = stage_args(**overrides)
     torch.manual_seed(0)

@@ -90,7 +90,7 @@ def _grads(model) -> list[torch.Tensor]:
 @pytest.mark.parametrize("keys", [{}, {"image_cond_prob": 0.5},
                                   {"rollout_mode": "data_latent", "real_guidance_scale": 0.0}])
 def test_packed_stage2_losses_and_gradients_equal_the_per_sample_mean(keys):
-    from trainer.sample_draws import SampleDraws
+    from trainer.diffusion.sample_draws import SampleDraws
 
     stage = _double_stage(**keys)
     cfg = stage.student.cfg
@@ -163,8 +163,8 @@ def _sharded_rollout(rank: int, world: int, port: int, cp: int) -> None:
     import os
 
     from trainer.build import distribute
-    from trainer.distributed import barrier, destroy, init_distributed, max_across_ranks
-    from trainer.sample_draws import SampleDraws
+    from trainer.parallel.distributed import barrier, destroy, init_distributed, max_across_ranks
+    from trainer.diffusion.sample_draws import SampleDraws
     from trainer.stages import rollout as R
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),

@@ -1,4 +1,4 @@
-"""trainer/ema.py: the EMA of a model's weights against values worked out by hand, and the EMA
+"""trainer/optim/ema.py: the EMA of a model's weights against values worked out by hand, and the EMA
 a real FM stage keeps while it trains."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.ema import EMA
+from trainer.optim.ema import EMA
 
 
 class Weights(nn.Module):
@@ -78,8 +78,8 @@ def test_swapping_the_average_in_gives_the_live_weights_back_bit_exactly():
 
 
 def test_the_fm_stage_averages_its_weights_after_every_optimizer_step(tmp_path):
-    from trainer.args import resolve_args
-    from trainer.distributed import Topology
+    from trainer.config.args import resolve_args
+    from trainer.parallel.distributed import Topology
     from trainer.build import build_stage
     from conftest import REPO_ROOT, TINY_MODEL
 

@@ -1,4 +1,4 @@
-"""trainer/environment.py: the probe of what a job sees, and `relay env probe`."""
+"""trainer/runtime/environment.py: the probe of what a job sees, and `relay env probe`."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import environment
+from trainer.runtime import environment
 from launcher.cli import main as relay_main
-from trainer.environment import (CACHE_VARS, format_probe, inspect_cache_dir, inspect_caches,
+from trainer.runtime.environment import (CACHE_VARS, format_probe, inspect_cache_dir, inspect_caches,
                                   probe_environment)
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from trainer import flow
+from trainer.diffusion import flow
 
 torch.set_num_threads(1)
 

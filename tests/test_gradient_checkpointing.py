@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.args import resolve_config
-from trainer.distributed import Topology
+from trainer.config.args import resolve_config
+from trainer.parallel.distributed import Topology
 from trainer.build import build_stage
 
 REPO = Path(__file__).resolve().parents[1]

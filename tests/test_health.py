@@ -1,4 +1,4 @@
-"""The Stage2 health gate (trainer.health): it stops a collapsing run after saving, says why in
+"""The Stage2 health gate (trainer.runtime.health): it stops a collapsing run after saving, says why in
 run-result.json and `relay status`, and leaves a healthy run alone."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from launcher.status import explain_failure
-from trainer.args import resolve_config
-from trainer.health import HealthGate
-from trainer.schema import ConfigError, ResolvedArgs
+from trainer.config.args import resolve_config
+from trainer.runtime.health import HealthGate
+from trainer.config.schema import ConfigError, ResolvedArgs
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable

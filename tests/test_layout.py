@@ -77,10 +77,10 @@ def test_each_module_imports_on_its_own(module):
 
 
 TORCH_FREE = ("launcher.cli", "launcher.pipeline", "launcher.slurm", "launcher.status",
-              "launcher.record", "launcher.local", "trainer.schema", "trainer.args",
-              "trainer.preflight", "trainer.stage_checks", "trainer.model_config",
-              "trainer.weights_source", "trainer.checkpoint_layout", "trainer.environment",
-              "trainer.files")
+              "launcher.record", "launcher.local", "trainer.config.schema", "trainer.config.args",
+              "trainer.preflight", "trainer.config.stage_checks", "trainer.models.dit.config",
+              "trainer.checkpoint.weights_source", "trainer.checkpoint.layout", "trainer.runtime.environment",
+              "trainer.runtime.files")
 
 
 def _torch_loaded_after(code: str) -> tuple[bool, str]:

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from trainer.evaluate import EVAL_CAPTIONS
-from trainer.media import GridBlock, detection_verdicts, write_validation_grid
+from trainer.evaluation.evaluate import EVAL_CAPTIONS
+from trainer.evaluation.media import GridBlock, detection_verdicts, write_validation_grid
 
 
 def solid_clips(count: int, frames: int = 8, size: int = 16) -> list[np.ndarray]:

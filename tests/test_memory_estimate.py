@@ -1,5 +1,5 @@
-"""The topology and memory a stage is checked for before it starts (trainer.topology,
-trainer.memory_estimate, trainer.preflight.describe_plan)."""
+"""The topology and memory a stage is checked for before it starts (trainer.parallel.topology,
+trainer.parallel.memory_estimate, trainer.preflight.describe_plan)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from trainer.args import resolve_config
-from trainer.memory_estimate import estimate_memory, model_parameters
+from trainer.config.args import resolve_config
+from trainer.parallel.memory_estimate import estimate_memory, model_parameters
 from trainer.preflight import describe_plan
-from trainer.schema import ConfigError
-from trainer.topology import plan_mesh
+from trainer.config.schema import ConfigError
+from trainer.parallel.topology import plan_mesh
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "config" / "tiny" / "pretrain.yaml")
@@ -28,8 +28,8 @@ PRODUCTION = str(REPO / "config" / "pretrain.yaml")
     {"two_time": True, "causal_chunk_size": 2, "out_channels": 6, "text_dim": 48},
 ])
 def test_parameter_count_is_the_real_models(overrides):
-    from trainer.model import VideoDiT
-    from trainer.model_config import MODEL_CONFIG_DEFAULTS
+    from trainer.models.dit.module import VideoDiT
+    from trainer.models.dit.config import MODEL_CONFIG_DEFAULTS
 
     cfg = {**MODEL_CONFIG_DEFAULTS, **overrides}
     model = VideoDiT(**cfg)
@@ -63,7 +63,7 @@ def test_bad_splits_are_refused_with_the_arithmetic(world, kwargs, says):
 
 def test_sharding_divides_the_states_and_cp_the_activations_of_video_and_caption():
     cfg = resolve_config(PRODUCTION, {}, check_paths=False)
-    from trainer.schema import model_config
+    from trainer.config.schema import model_config
 
     common = dict(stage="fm", use_muon=False, use_ema=False, batch_per_rank=1,
                   video_tokens=75600, text_tokens=512, checkpointing=True)
@@ -155,7 +155,7 @@ def test_a_pack_budget_sets_the_activations_whatever_the_batch_and_clip_keys_say
 
 
 def test_teacher_forcing_packs_count_clean_and_noisy_video_and_cp_splits_both_streams():
-    from trainer.schema import model_config
+    from trainer.config.schema import model_config
 
     cfg = model_config(resolve_config(PRODUCTION, {}, check_paths=False))
     common = dict(use_muon=False, use_ema=False, shard_group=8, batch_per_rank=1,

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.model import DiTBlock, VideoDiT, text_lengths_of
-from trainer.model_config import MODEL_CONFIG_DEFAULTS, DiTConfig
+from trainer.models.dit.module import DiTBlock, VideoDiT, text_lengths_of
+from trainer.models.dit.config import MODEL_CONFIG_DEFAULTS, DiTConfig
 
 torch.set_num_threads(1)
 
@@ -445,7 +445,7 @@ def test_forward_matches_the_written_out_math(case):
 
 
 def _spy_attention(monkeypatch):
-    import trainer.model as model_module
+    import trainer.models.dit.module as model_module
 
     plans = []
     original = model_module.attend
@@ -518,7 +518,7 @@ def test_per_frame_modulation_is_never_copied_per_token():
 
 
 def test_rope_rotates_pairs_like_complex_multiplication():
-    from trainer.model import apply_rope, rope_tables
+    from trainer.models.dit.module import apply_rope, rope_tables
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 5, 3, 8, generator=g, dtype=torch.float64)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainer import optim
+from trainer.optim import optimizers as optim
 
 torch.set_num_threads(1)
 
@@ -448,7 +448,7 @@ def _muon_on_sharded_matches_plain(rank, world_size, init_method):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from trainer.distributed import destroy
+    from trainer.parallel.distributed import destroy
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
+from trainer.runtime.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,7 +19,7 @@ LOOP = textwrap.dedent(
     """
     import sys, time
     sys.path.insert(0, sys.argv[1])
-    from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
+    from trainer.runtime.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
 
     handler = PreemptionHandler().install()
     print("ready", flush=True)

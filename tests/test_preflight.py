@@ -220,7 +220,7 @@ def test_a_training_state_that_would_run_code_is_quarantined_with_a_safe_reason(
 def _refresh_checksums(checkpoint: Path) -> None:
     """Record the replaced file's size and checksum in COMPLETE as relay would have, so the
     checkpoint passes validation and the load itself must refuse the file."""
-    from trainer.checksums import digest_bytes
+    from trainer.checkpoint.checksums import digest_bytes
 
     complete = json.loads((checkpoint / "COMPLETE").read_text())
     name = "training_state.pt"

@@ -20,9 +20,9 @@ from fixtures.fastvideo_t2v import write_fastvideo_dataset
 from fixtures.tiny_encoders import save_text_encoder, save_vae
 from test_data_train import MODEL, _losses, _train
 
-from trainer.args import resolve_args
+from trainer.config.args import resolve_args
 from trainer.data.formats import TEXT_COLUMNS
-from trainer.schema import ConfigError
+from trainer.config.schema import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -120,8 +120,8 @@ def test_captions_encoded_as_read_equal_the_embeddings_stored_by_the_same_encode
     """The embedded data stores the stand-in's embeddings: its captions-only copy, encoded by
     the loader with the same stand-in, gives the same batches, stacked or packed."""
     from trainer.data import DistributedBatchIterator, ParquetLatentDataset
-    from trainer.synthetic import generate_dataset
-    from trainer.text_encoder import StandInTextEncoder
+    from trainer.data.synthetic import generate_dataset
+    from trainer.encoders.text import StandInTextEncoder
 
     full = generate_dataset(tmp_path / "full", 12, seed=0, samples_per_shard=4)
     bare = drop_caption_embeddings(full, tmp_path / "bare")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.rng import capture_rng_state, restore_rng_state
+from trainer.checkpoint.rng import capture_rng_state, restore_rng_state
 
 
 def draw() -> tuple:

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-import trainer.run_lock as run_lock
-from trainer.run_lock import LOCK_FILE, RunLockError, acquire_run_lock, current_holder
+import trainer.runtime.lock as run_lock
+from trainer.runtime.lock import LOCK_FILE, RunLockError, acquire_run_lock, current_holder
 
 REPO = Path(__file__).resolve().parents[1]
-HOLD = ("import sys; from trainer.run_lock import acquire_run_lock; "
+HOLD = ("import sys; from trainer.runtime.lock import acquire_run_lock; "
         "lock = acquire_run_lock(sys.argv[1]); print('locked', flush=True); sys.stdin.read(); "
         "lock.release()")
 

@@ -15,15 +15,15 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.checkpoint import (
+from trainer.checkpoint.store import (
     CheckpointError,
     ModelMember,
     find_resume_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-from trainer.checkpoint_layout import COMPLETE_FILE, QUARANTINE_REASON_FILE, TRAINING_STATE_FILE
-from trainer.warm_start import load_warm_start
+from trainer.checkpoint.layout import COMPLETE_FILE, QUARANTINE_REASON_FILE, TRAINING_STATE_FILE
+from trainer.checkpoint.warm_start import load_warm_start
 
 
 class RunsCode:

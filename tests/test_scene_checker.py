@@ -1,4 +1,4 @@
-"""The benchmark's scenes and their pixel checker (trainer.synthetic_bench, trainer.scene_checker).
+"""The benchmark's scenes and their pixel checker (trainer.data.synthetic_bench, trainer.evaluation.scene_checker).
 
 The checker must read the generator's own clips right on every attribute (else a low score
 says nothing about a model), and read deliberately wrong clips as wrong (else a high score
@@ -13,11 +13,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from trainer import synthetic_bench as bench
-from trainer.evaluate import latents_to_frames
-from trainer.scene_checker import parse_caption, score_scenes
-from trainer.synthetic import ensure_dataset, make_clip
-from trainer.text_encoder import StandInTextEncoder
+from trainer.data import synthetic_bench as bench
+from trainer.evaluation.evaluate import latents_to_frames
+from trainer.evaluation.scene_checker import parse_caption, score_scenes
+from trainer.data.synthetic import ensure_dataset, make_clip
+from trainer.encoders.text import StandInTextEncoder
 
 FRAMES, SIZE = 16, 32
 

@@ -6,7 +6,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.flops import relay_forward_flops, wan_forward_flops
-from trainer.model import VideoDiT
+from trainer.models.dit.module import VideoDiT
 
 torch.set_num_threads(1)
 

@@ -4,8 +4,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from trainer import synthetic
-from trainer.synthetic import (
+from trainer.data import synthetic
+from trainer.data.synthetic import (
     CAPTION_VOCAB,
     COLOURS,
     DIRECTIONS,
@@ -15,7 +15,7 @@ from trainer.synthetic import (
     make_caption,
     make_clip,
 )
-from trainer.text_encoder import StandInTextEncoder, tokenize
+from trainer.encoders.text import StandInTextEncoder, tokenize
 
 
 def _decode(row, prefix):

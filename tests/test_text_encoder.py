@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from trainer.text_encoder import StandInTextEncoder, build_text_encoder, tokenize
+from trainer.encoders.text import StandInTextEncoder, build_text_encoder, tokenize
 
 
 def test_same_caption_encodes_identically_across_instances():

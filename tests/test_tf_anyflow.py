@@ -12,12 +12,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer import flow
-from trainer.args import resolve_config
-from trainer.schema import ConfigError
-from trainer.ema import EMA
-from trainer.model import VideoDiT
-from trainer.sample_draws import SampleDraws
+from trainer.diffusion import flow
+from trainer.config.args import resolve_config
+from trainer.config.schema import ConfigError
+from trainer.optim.ema import EMA
+from trainer.models.dit.module import VideoDiT
+from trainer.diffusion.sample_draws import SampleDraws
 from trainer.stages.tf_anyflow import (
     CONSISTENCY,
     DIFFUSION,
@@ -40,7 +40,7 @@ from trainer.stages.tf_anyflow import (
     sample_flowmap,
     sample_time_pairs,
 )
-from trainer.text_encoder import build_text_encoder
+from trainer.encoders.text import build_text_encoder
 
 torch.set_num_threads(1)
 
@@ -140,8 +140,8 @@ def warm_args(path):
 
 
 def warm_start(model, path, ema=None) -> dict:
-    """The warm start a Stage1 run makes (trainer.run_state), from the FM weights at `path`."""
-    from trainer import run_state
+    """The warm start a Stage1 run makes (trainer.checkpoint.run_state), from the FM weights at `path`."""
+    from trainer.checkpoint import run_state
 
     return run_state.warm_start(stage_for(model, ema, warm_args(path)))
 
@@ -171,7 +171,7 @@ def test_warm_start_copies_e_t_into_e_r_so_the_diagonal_is_the_fm_model(tmp_path
 
 
 def test_warm_start_keeps_a_trained_e_r_and_refuses_a_partial_one(tmp_path):
-    from trainer.checkpoint import CheckpointError
+    from trainer.checkpoint.store import CheckpointError
 
     source = tiny()
     with torch.no_grad():
@@ -341,7 +341,7 @@ def test_rescale_reference_is_gathered_over_all_ranks():
 def _rescale_on_rank(rank, world, store):
     import torch.distributed as dist
 
-    from trainer.distributed import destroy, sum_across_ranks
+    from trainer.parallel.distributed import destroy, sum_across_ranks
 
     dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
     try:
@@ -365,7 +365,7 @@ def test_rescale_reference_reaches_a_rank_without_diffusion_samples(tmp_path):
 def _rescale_with_unequal_packs(rank, world, store):
     import torch.distributed as dist
 
-    from trainer.distributed import destroy
+    from trainer.parallel.distributed import destroy
 
     dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
     try:

@@ -7,7 +7,7 @@ import io
 import pytest
 import torch
 
-from trainer.torch_record import locate_tensor_bytes
+from trainer.checkpoint.torch_record import locate_tensor_bytes
 
 
 def _record(tensor: torch.Tensor) -> bytes:

@@ -3,7 +3,7 @@
 Accumulating gradient_accumulation_steps micro-batches must train as one batch holding all of
 them: the same loss, the same gradient (not k times it, not the last micro-batch's alone) and
 so the same step. The stage's random draws (noise, sigma, caption drop) are keyed by each
-sample and the step (trainer.sample_draws), so the larger batch is formed here from the same
+sample and the step (trainer.diffusion.sample_draws), so the larger batch is formed here from the same
 micro-batches with the same draws: one backward of the mean of their losses, which (equal
 sizes, no masked frames) is the mean loss over all their samples.
 """
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import REPO_ROOT, TINY_MODEL
-from trainer.args import resolve_args
-from trainer.distributed import Topology
+from trainer.config.args import resolve_args
+from trainer.parallel.distributed import Topology
 from trainer.build import build_stage
 
 TOPOLOGY = Topology(rank=0, world_size=1, local_rank=0, cp_size=1, device=torch.device("cpu"))

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from launcher.cli import main as relay_main
-from trainer.checkpoint_layout import list_checkpoints, validate_checkpoint
+from trainer.checkpoint.layout import list_checkpoints, validate_checkpoint
 
 RELAY = Path(sys.executable).with_name("relay")
 METRIC_KEYS = ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "host_mem_gb",
@@ -85,8 +85,8 @@ def test_a_completed_run_writes_the_output_dir_contract(tiny_trainer):
 # ---------------------------------------------------------------------------------------------
 
 def _write_nan_copy(data_dir: Path, nan_dir: Path) -> None:
-    """The same rows in the real schema (trainer.synthetic.DATASET_SCHEMA), latents all NaN."""
-    from trainer.synthetic import DATASET_SCHEMA
+    """The same rows in the real schema (trainer.data.synthetic.DATASET_SCHEMA), latents all NaN."""
+    from trainer.data.synthetic import DATASET_SCHEMA
 
     nan_dir.mkdir(parents=True)
     for shard in sorted(data_dir.glob("*.parquet")):
@@ -125,8 +125,8 @@ def test_a_non_finite_loss_raises_before_the_optimizer_step_changes_any_weight(
         tiny_trainer, tmp_path):
     import torch
 
-    from trainer.args import resolve_args
-    from trainer.distributed import Topology
+    from trainer.config.args import resolve_args
+    from trainer.parallel.distributed import Topology
     from trainer.build import build_stage
     from trainer.stages.base import NonFiniteError
 
@@ -275,7 +275,7 @@ def test_relay_sample_writes_video_contact_sheet_and_frames_from_a_checkpoint_or
 
 
 def test_relay_eval_writes_accuracies_and_a_per_caption_table(tiny_trainer, tmp_path, capsys):
-    from trainer.evaluate import EVAL_CAPTIONS
+    from trainer.evaluation.evaluate import EVAL_CAPTIONS
 
     path = tmp_path / "eval.json"
     code, stdout, stderr = _relay(capsys, "eval", "--checkpoint", str(tiny_trainer.reference()),
@@ -303,8 +303,8 @@ def test_relay_export_writes_weights_and_config_that_rebuild_the_same_model(
     import torch
     from safetensors.torch import load_file
 
-    from trainer.inference import load_model_for_inference
-    from trainer.model import VideoDiT
+    from trainer.evaluation.inference import load_model_for_inference
+    from trainer.models.dit.module import VideoDiT
 
     checkpoint = tiny_trainer.reference() / "checkpoint-12"
     out = tmp_path / "export" / "model.safetensors"

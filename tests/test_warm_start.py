@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-from trainer.checkpoint import CheckpointError, ModelMember, save_checkpoint
-from trainer.warm_start import export_weights, load_warm_start
+from trainer.checkpoint.store import CheckpointError, ModelMember, save_checkpoint
+from trainer.checkpoint.warm_start import export_weights, load_warm_start
 
 
 class Toy(nn.Module):

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from trainer import warmup
-from trainer.args import resolve_config
-from trainer.synthetic import ensure_dataset
+from trainer.config.args import resolve_config
+from trainer.data.synthetic import ensure_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "config" / "tiny" / "pretrain.yaml")
@@ -70,7 +70,7 @@ def test_warm_up_runs_one_forward_backward_at_the_stage_shapes_and_writes_nothin
 
 def test_stage1_warm_up_runs_the_teacher_forcing_loss_of_the_two_time_model(tmp_path,
                                                                              monkeypatch):
-    from trainer.model import VideoDiT
+    from trainer.models.dit.module import VideoDiT
 
     calls = []
     real = VideoDiT.forward_teacher_forcing

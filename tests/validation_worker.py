@@ -3,10 +3,10 @@
     python -m torch.distributed.run --nproc_per_node N --master_port P \
         tests/validation_worker.py DATA VAE OUT
 
-Joins gloo through trainer.distributed, builds the pretrain stage with trainer.build (FSDP2
+Joins gloo through trainer.parallel.distributed, builds the pretrain stage with trainer.build (FSDP2
 over every rank when N > 1; the tiny AutoencoderKLWan at VAE), validates once as train.py does
 (trainer.train._validate) and writes OUT/rank-<rank>.json: whether this process loaded the VAE
-(trainer.vae caches the one it decodes with) and the metric names validation returned.
+(trainer.encoders.vae caches the one it decodes with) and the metric names validation returned.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import torch
 
 from test_data_train import MODEL
 from trainer import train, vae
-from trainer.args import resolve_args
+from trainer.config.args import resolve_args
 from trainer.build import build_stage
-from trainer.distributed import barrier, destroy, init_distributed
+from trainer.parallel.distributed import barrier, destroy, init_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,16 +12,16 @@ import logging
 
 import torch
 
-from trainer.distributed import Topology, barrier, shard_model
-from trainer.fa4_ops import FA4_OPS
-from trainer.schema import ResolvedArgs, model_config
+from trainer.parallel.distributed import Topology, barrier, shard_model
+from trainer.models.fa4_ops import FA4_OPS
+from trainer.config.schema import ResolvedArgs, model_config
 
 log = logging.getLogger(__name__)
 
 
 def build_model(args: ResolvedArgs, device: torch.device, config: dict | None = None):
     """The run's VideoDiT (or one with `config` instead of the run's model config) on `device`."""
-    from trainer.model import VideoDiT
+    from trainer.models.dit.module import VideoDiT
 
     return VideoDiT(**(config or model_config(args))).to(device)
 
@@ -46,10 +46,10 @@ def build_trained_model(args: ResolvedArgs, topo: Topology) -> torch.nn.Module:
 
 def distribute(model: torch.nn.Module, topo: Topology) -> torch.nn.Module:
     """`model` sharded with FSDP2 over the mesh and, when cp_size > 1, running its sequence
-    context-parallel over this rank's cp group (trainer.context_parallel); returns it."""
+    context-parallel over this rank's cp group (trainer.parallel.context_parallel); returns it."""
     model = shard_model(model, topo)
     if topo.cp_size > 1:
-        from trainer.context_parallel import attach
+        from trainer.parallel.context_parallel import attach
 
         attach(model, topo.cp_group, topo.cp_size, topo.cp_rank)
     return model
@@ -74,7 +74,7 @@ def prepare_for_training(model: torch.nn.Module, args: ResolvedArgs) -> torch.nn
         for block in model.blocks:
             checkpoint(block, **options)
     if args.compile_transformer:
-        from trainer.model import compile_transformer_blocks
+        from trainer.models.dit.module import compile_transformer_blocks
 
         compile_transformer_blocks(model)
     return model
@@ -82,7 +82,7 @@ def prepare_for_training(model: torch.nn.Module, args: ResolvedArgs) -> torch.nn
 
 # Attention kernels, the one part of a block whose recompute costs more than its memory: the
 # selective policy keeps their outputs (the fused kernels' logsumexp/seeds come with them).
-# FA4 counts because it runs as a registered operator (trainer/fa4_ops.py).
+# FA4 counts because it runs as a registered operator (trainer/models/fa4_ops.py).
 _ATTENTION_OPS = tuple(
     getattr(torch.ops.aten, name) for name in (
         "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
@@ -105,11 +105,11 @@ def _keep_attention_outputs():
 
 def build_text_encoder(args: ResolvedArgs, device="cpu"):
     """The run's text encoder (`text_encoder`: the stand-in or a directory), on `device`."""
-    from trainer.text_encoder import build_text_encoder as build
+    from trainer.encoders.text import build_text_encoder as build
 
     extra = {}
     if args.text_encoder == "standin" and args.get("synthetic_generator") == "bench":
-        extra["positional"] = True  # as the benchmark's data was encoded (trainer.synthetic)
+        extra["positional"] = True  # as the benchmark's data was encoded (trainer.data.synthetic)
     return build(args.text_encoder, text_dim=model_config(args)["text_dim"],
                  max_tokens=args.text_max_tokens,
                  skip_layer=args.text_encoder_hidden_state_skip_layer, device=device, **extra)
@@ -122,7 +122,7 @@ def build_data(args: ResolvedArgs, topo: Topology, seed_offset: int = 0, text_en
 
     Raises ValueError when the data cannot make the batches asked for (see BatchPlan).
     """
-    from trainer.synthetic import ensure_dataset
+    from trainer.data.synthetic import ensure_dataset
 
     if args.synthetic_data:
         if topo.is_main:
@@ -134,7 +134,7 @@ def build_data(args: ResolvedArgs, topo: Topology, seed_offset: int = 0, text_en
         barrier()
     if topo.cp_size == 1:
         return _data_reader(args, topo, seed_offset, text_encoder)
-    from trainer.context_parallel import GroupSharedBatches
+    from trainer.parallel.context_parallel import GroupSharedBatches
 
     reader = _data_reader(args, topo, seed_offset, text_encoder) if topo.cp_rank == 0 else None
     return GroupSharedBatches(reader, topo.cp_group)
@@ -169,7 +169,7 @@ def sample_latent_shape(args: ResolvedArgs) -> tuple[int, int, int, int]:
     Raises FileNotFoundError / ValueError when the data cannot be read (as training would).
     """
     if args.synthetic_data:
-        from trainer.synthetic import make_sample
+        from trainer.data.synthetic import make_sample
 
         # One clip from the generator itself rather than a copy of its layout here.
         _, clip = make_sample(args.get("synthetic_generator", "shapes"), args.synthetic_seed, 0,
@@ -184,7 +184,7 @@ def sample_latent_shape(args: ResolvedArgs) -> tuple[int, int, int, int]:
 def build_stage(args: ResolvedArgs, topo: Topology):
     """The stage object for args.stage, with its models, optimizers, schedulers and data.
 
-    Weights are random here: trainer.run_state then resumes or warm starts them.
+    Weights are random here: trainer.checkpoint.run_state then resumes or warm starts them.
     """
     builders = {"fm": _fm_stage, "tf_anyflow": _tf_anyflow_stage, "dmd_sgf": _dmd_sgf_stage}
     return builders[args.stage](args, topo)  # the schema's choices name only these
@@ -196,7 +196,7 @@ def _fm_stage(args: ResolvedArgs, topo: Topology):
 
     model = build_trained_model(args, topo)
     optimizer, scheduler = build_optimization(args, model, max_steps=args.max_steps)
-    # Packs run through forward_packed (registered with FSDP2 in trainer.distributed).
+    # Packs run through forward_packed (registered with FSDP2 in trainer.parallel.distributed).
     runs = PackedForward(model) if args.packing_token_budget is not None else model
     encoder = build_text_encoder(args, topo.device)
     return FlowMatchingStage(model, runs, optimizer, scheduler,
@@ -247,7 +247,7 @@ def build_optimization(args: ResolvedArgs, model: torch.nn.Module, *, max_steps:
                   betas: tuple[float, float] | None = None):
     """(optimizer, LR scheduler) of one trained role from the training keys; a role with its
     own keys (Stage2's critic) passes them instead."""
-    from trainer.optim import build_lr_scheduler, build_optimizer
+    from trainer.optim.optimizers import build_lr_scheduler, build_optimizer
 
     optimizer = build_optimizer(
         model, use_muon=args.use_muon if use_muon is None else use_muon,
@@ -262,7 +262,7 @@ def build_optimization(args: ResolvedArgs, model: torch.nn.Module, *, max_steps:
 
 
 def build_ema(args: ResolvedArgs, model: torch.nn.Module):
-    from trainer.ema import EMA
+    from trainer.optim.ema import EMA
 
     return (EMA(model, args.ema_decay, start=args.ema_start_step,
                 update_every=args.ema_update_every) if args.use_ema else None)

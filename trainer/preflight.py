@@ -3,7 +3,7 @@
 `validate_args` runs in train.py (also for --dry-run), in `relay resolve` and in `relay submit`
 on the login node, before any model, process group or Slurm job exists, so a job never fails
 on the cluster for something that could have been said here. Stage-specific rules live in
-trainer.stage_checks and are called from here only.
+trainer.config.stage_checks and are called from here only.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from trainer import stage_checks
-from trainer.checkpoint_layout import CheckpointError, list_checkpoints
-from trainer.model_config import MODEL_CONFIG_DEFAULTS, DiTConfig
-from trainer.schema import ARGS, ConfigError, ResolvedArgs, closest_key, model_config
-from trainer.weights_source import resolve_weights_source
+from trainer.config import stage_checks
+from trainer.checkpoint.layout import CheckpointError, list_checkpoints
+from trainer.models.dit.config import MODEL_CONFIG_DEFAULTS, DiTConfig
+from trainer.config.schema import ARGS, ConfigError, ResolvedArgs, closest_key, model_config
+from trainer.checkpoint.weights_source import resolve_weights_source
 
 # What example configs write where a user must put their own value.
 PLACEHOLDER = re.compile(r"/path/to/|<[A-Za-z][A-Za-z0-9_ .-]*>|\bchangeme\b", re.IGNORECASE)
@@ -334,7 +334,7 @@ def _validate_weight_sources(args: ResolvedArgs) -> None:
 
 
 def _validate_context_parallel(args: ResolvedArgs) -> None:
-    """What Ulysses needs of the model and the data (trainer.context_parallel): heads and the
+    """What Ulysses needs of the model and the data (trainer.parallel.context_parallel): heads and the
     tokens of a latent frame split evenly over the cp group."""
     cp = args.cp_size
     heads = model_config(args)["num_attention_heads"]
@@ -384,7 +384,7 @@ def _validate_topology(args: ResolvedArgs, world_size: int | None) -> None:
 
 
 def _mesh(args: ResolvedArgs, world_size: int, ranks_per_node: int | None):
-    from trainer.topology import plan_mesh
+    from trainer.parallel.topology import plan_mesh
 
     return plan_mesh(world_size, cp_size=args.cp_size, hybrid_shard=args.hybrid_shard,
                      shard_group_size=args.shard_group_size, ranks_per_node=ranks_per_node)
@@ -394,7 +394,7 @@ def describe_plan(args: ResolvedArgs, world_size: int, ranks_per_node: int | Non
     """The run's topology, global batch and memory per GPU, as printed by `relay submit` and
     `train.py --dry-run`. Raises ConfigError, with the arithmetic, when the split does not
     divide or the estimate exceeds gpu_memory_gib."""
-    from trainer.memory_estimate import estimate_memory
+    from trainer.parallel.memory_estimate import estimate_memory
 
     mesh = _mesh(args, world_size, ranks_per_node)
     accum = args.gradient_accumulation_steps
@@ -416,7 +416,7 @@ def describe_plan(args: ResolvedArgs, world_size: int, ranks_per_node: int | Non
                  f"train_batch_size is not used) x gradient accumulation {accum} x dp "
                  f"{mesh.dp_world} = {accum * mesh.dp_world} packs a step")
     lines = [f"topology: {mesh.describe()}", batch,
-             "memory per GPU (estimate, trainer.memory_estimate):", estimate.describe()]
+             "memory per GPU (estimate, trainer.parallel.memory_estimate):", estimate.describe()]
     if video is None and budget is None:
         lines.append("  (activations left out: the data's latent shape is not readable here)")
     text = "\n".join(lines)

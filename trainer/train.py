@@ -6,7 +6,7 @@
 Reads like the table of contents of a run: arguments -> topology -> data, model, optimizer ->
 resume (or warm start, or fresh) -> loop with checkpoints -> run-result.json. Exit codes:
 0 completed, 2 bad configuration or output_dir in use by another run, 1 failed,
-trainer.preemption.PREEMPTED_EXIT_CODE preempted (saved, ready to be requeued).
+trainer.runtime.preemption.PREEMPTED_EXIT_CODE preempted (saved, ready to be requeued).
 """
 
 from __future__ import annotations
@@ -22,23 +22,23 @@ if __package__ in (None, ""):  # `python trainer/train.py`: make the repository 
 
 import torch
 
-from trainer import checkpoint as ckpt
-from trainer import run_state
-from trainer.args import resolve_args
+from trainer.checkpoint import store as ckpt
+from trainer.checkpoint import run_state
+from trainer.config.args import resolve_args
 from trainer.build import build_stage
-from trainer.cuda_memory import configure_cuda_allocator
-from trainer.distributed import (Topology, any_rank, barrier, destroy, init_distributed,
+from trainer.runtime.cuda_memory import configure_cuda_allocator
+from trainer.parallel.distributed import (Topology, any_rank, barrier, destroy, init_distributed,
                                  ranks_per_node_from_env, world_size_from_env)
-from trainer.environment import launch_manifest
-from trainer.files import write_json
-from trainer.health import HealthGate
-from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler, interrupts_deferred
-from trainer.run_lock import RunLock, RunLockError, acquire_run_lock
+from trainer.runtime.environment import launch_manifest
+from trainer.runtime.files import write_json
+from trainer.runtime.health import HealthGate
+from trainer.runtime.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler, interrupts_deferred
+from trainer.runtime.lock import RunLock, RunLockError, acquire_run_lock
 from trainer.preflight import describe_plan
-from trainer.schema import ConfigError, ResolvedArgs
+from trainer.config.schema import ConfigError, ResolvedArgs
 from trainer.stages.base import NonFiniteError
-from trainer.tracking import MetricsWriter, Progress, WandbReporter
-from trainer.validation import run_validation, validation_due
+from trainer.runtime.tracking import MetricsWriter, Progress, WandbReporter
+from trainer.evaluation.validation import run_validation, validation_due
 
 log = logging.getLogger("relay")
 
@@ -117,7 +117,7 @@ def run(args: ResolvedArgs) -> int:
 
 
 def _lock_output_dir(out: Path, topo: Topology) -> RunLock | None:
-    """Rank 0 locks output_dir for the run (trainer.run_lock); every rank learns the outcome.
+    """Rank 0 locks output_dir for the run (trainer.runtime.lock); every rank learns the outcome.
 
     Returns the lock on rank 0 (None elsewhere). Raises RunLockError on every rank when
     another run holds the directory.
@@ -139,7 +139,7 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     stage = build_stage(args, topo)
-    # Training draws are keyed by sample (trainer.sample_draws); what still uses the global
+    # Training draws are keyed by sample (trainer.diffusion.sample_draws); what still uses the global
     # generator (Stage2's rollout noise) differs per data-parallel rank, and is the same on
     # the cp ranks of a group: they must feed the model the same whole samples.
     torch.manual_seed(args.seed + 1_000_003 * (topo.dp_rank + 1))

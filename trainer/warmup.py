@@ -35,11 +35,11 @@ if __package__ in (None, ""):  # `python trainer/warmup.py`: make the repository
 
 import torch
 
-from trainer.args import resolve_args
+from trainer.config.args import resolve_args
 from trainer.build import (build_model, build_score_models, build_text_encoder,
                            prepare_for_training, sample_latent_shape)
-from trainer.files import write_json
-from trainer.schema import ConfigError, ResolvedArgs, model_config
+from trainer.runtime.files import write_json
+from trainer.config.schema import ConfigError, ResolvedArgs, model_config
 
 log = logging.getLogger("relay")
 
@@ -131,7 +131,7 @@ def _random_batch(shapes: dict, device: torch.device) -> dict:
 
 
 def _cache_counts() -> dict[str, dict[str, Any]]:
-    from trainer.environment import inspect_caches
+    from trainer.runtime.environment import inspect_caches
 
     return inspect_caches(max_files=MAX_CACHE_FILES, check_writable=False)
 

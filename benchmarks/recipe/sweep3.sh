@@ -10,7 +10,7 @@ E(){ $PY -m launcher.cli eval --checkpoint $O/$1 --steps 30 --guidance 4 --out $
 P(){ n=$1; shift; T $n pretrain --data_path $O/dp --max_steps 700 --save_interval 100 --save_total_limit 0 \
        --validation_interval 100 "$@"
      for k in 500 600; do T s$n$k sft --data_path $O/ds --pretrained_transformer_path $O/$n/checkpoint-$k && E s$n$k; done; }
-$PY -c "from trainer.synthetic import ensure_dataset as e; e('$O/dp', 4096, seed=0); e('$O/ds', 2048, seed=1)"
+$PY -c "from trainer.data.synthetic import ensure_dataset as e; e('$O/dp', 4096, seed=0); e('$O/ds', 2048, seed=1)"
 VARIANTS=${VARIANTS:-"shift5:--train_timestep_shift=5.0 lr4:--muon_learning_rate=0.04,--learning_rate=2e-3"}
 for v in $VARIANTS; do n=${v%%:*}; a=${v#*:}; P $n ${a//,/ } & done
 wait

@@ -22,7 +22,7 @@ CHAIN(){ local n=$1 v=$2; T s1-$n $v stage1 $D --pretrained_transformer_path $O/
 P(){ local n=$1 v=$2; shift 2; T pre-$n $v pretrain --data_path $O/dp --max_steps 1000 --save_interval 100 \
        --save_total_limit 0 --validation_interval 100 "$@" || return
      SFT $n $v 600 & SFT $n $v 700 & SFT $n $v 800 && CHAIN $n $v; wait; }
-$PY -c "from trainer.synthetic import ensure_dataset as e; e('$O/dp', 4096, seed=0); e('$O/ds', 2048, seed=1)"
+$PY -c "from trainer.data.synthetic import ensure_dataset as e; e('$O/dp', 4096, seed=0); e('$O/ds', 2048, seed=1)"
 PT2='s/patch_size: \[1, 4, 4\]/patch_size: [2, 4, 4]/'
 H64='s/hidden_size: 96/hidden_size: 64/; s/rope_axes_dim: \[8, 8, 8\]/rope_axes_dim: [4, 6, 6]/'
 L3='s/num_layers: 4/num_layers: 3/'

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from trainer import attention as attn
-from trainer.attention import AttentionPlan, ChunkLayout, attend, attention_varlen, plan_attention
+from trainer.models import attention as attn
+from trainer.models.attention import AttentionPlan, ChunkLayout, attend, attention_varlen, plan_attention
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")

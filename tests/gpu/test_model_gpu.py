@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
-from trainer.model import VideoDiT
-from trainer.optim import build_optimizer
+from trainer.models.dit.module import VideoDiT
+from trainer.optim.optimizers import build_optimizer
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
@@ -72,7 +72,7 @@ def test_auto_kernels_match_sdpa_through_the_model(form):
 
 @pytest.mark.parametrize("form", ["full", "teacher_forcing"])
 def test_compiled_blocks_give_the_eager_gradients(form):
-    from trainer.model import compile_transformer_blocks
+    from trainer.models.dit.module import compile_transformer_blocks
 
     causal = dict(causal_chunk_size=2) if form == "teacher_forcing" else {}
     eager = _model(**causal)
@@ -135,7 +135,7 @@ def test_packed_batches_through_varlen_kernels_match_sdpa():
 def test_selective_checkpointing_does_not_recompute_fa4(monkeypatch, selective):
     from torch.distributed._composable import checkpoint
 
-    from trainer import attention, build, fa4_ops
+    from trainer.models import attention, build, fa4_ops
 
     if not attention._runs_here("fa4", DEVICE, torch.bfloat16, 128):
         pytest.skip("FA4 does not run here")

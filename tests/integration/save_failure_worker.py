@@ -27,8 +27,8 @@ import torch.nn as nn  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
-from trainer.checkpoint import CheckpointError, CheckpointManager, ModelMember  # noqa: E402
-from trainer.distributed import destroy  # noqa: E402
+from trainer.checkpoint.store import CheckpointError, CheckpointManager, ModelMember  # noqa: E402
+from trainer.parallel.distributed import destroy  # noqa: E402
 
 # Bytes rank 1 may write per file while "the disk is full". Its model shard (half of two
 # 64 x 64 layers) is about 17 KB: the small limit refuses it, the large one refuses only a

@@ -23,7 +23,7 @@ from fixtures.fastvideo_t2v import write_fastvideo_dataset
 from test_distributed_fsdp import (MODEL, REPO, STAGE1_MODEL, STAGE2_MODEL, _env, _free_port,
                                    assert_same_trajectory, records, train)
 
-from trainer.checkpoint_layout import read_complete
+from trainer.checkpoint.layout import read_complete
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

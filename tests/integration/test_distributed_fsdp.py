@@ -3,7 +3,7 @@
 The same global batch of 8 samples a step, split four ways: one process; two ranks fully
 sharded; four ranks as 2 replicas x 2-rank shard groups (hybrid shard); one process with two
 accumulated micro-batches. Because every random draw is keyed by the sample's global index
-and the step (trainer.sample_draws) and the data position is global, all of them must log the
+and the step (trainer.diffusion.sample_draws) and the data position is global, all of them must log the
 same losses and gradient norms, and a checkpoint written by two ranks must resume on one, two
 or four ranks on the same trajectory. Nothing is mocked: real process groups, real DCP shards.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.checkpoint_layout import read_complete
+from trainer.checkpoint.layout import read_complete
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = ("{hidden_size: 32, num_attention_heads: 2, num_layers: 2, rope_axes_dim: [4, 6, 6], "

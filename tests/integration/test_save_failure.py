@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.checkpoint_layout import list_checkpoints, validate_checkpoint
+from trainer.checkpoint.layout import list_checkpoints, validate_checkpoint
 
 WORKER = Path(__file__).resolve().parent / "save_failure_worker.py"
 

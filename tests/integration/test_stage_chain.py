@@ -27,7 +27,7 @@ import pytest
 import torch
 import yaml
 
-from trainer.dcp_io import read_dcp_state_dict
+from trainer.checkpoint.dcp_io import read_dcp_state_dict
 
 REPO = Path(__file__).resolve().parents[2]
 PREEMPTED = 75
@@ -197,9 +197,9 @@ def test_stage2_critic_and_student_ema_receive_their_sources_at_the_warm_start(c
     # The critic trains from step 1, so what it was given is seen at the warm start itself:
     # Stage2's job argv as `relay run` ran it, its stage built and warm-started in-process.
     from launcher.pipeline import validate_pipeline
-    from trainer.args import resolve_args
-    from trainer.distributed import Topology
-    from trainer import run_state
+    from trainer.config.args import resolve_args
+    from trainer.parallel.distributed import Topology
+    from trainer.checkpoint import run_state
     from trainer.build import build_stage
 
     reference = chains["reference"]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.checkpoint_layout import (
+from trainer.checkpoint.layout import (
     COMPLETE_FILE,
     QUARANTINE_REASON_FILE,
     list_checkpoints,
@@ -31,7 +31,7 @@ from trainer.checkpoint_layout import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-PREEMPTED = 75  # trainer.preemption.PREEMPTED_EXIT_CODE (imported there with torch)
+PREEMPTED = 75  # trainer.runtime.preemption.PREEMPTED_EXIT_CODE (imported there with torch)
 STEPS = list(range(1, 13))  # the tiny configuration's max_steps is 12
 
 
@@ -438,7 +438,7 @@ def test_warm_started_run_starts_fresh_from_the_source_and_resumes_itself_after_
     resolved = json.loads((out / "resolved-config.json").read_text())
     assert records[0]["lr"] == pytest.approx(resolved["learning_rate"] / 4, rel=1e-12)
     # A fresh optimizer: AdamW's step count in checkpoint-2 is 2, not the source's 12 + 2.
-    from trainer.dcp_io import read_dcp_state_dict
+    from trainer.checkpoint.dcp_io import read_dcp_state_dict
 
     optimizer = read_dcp_state_dict(out / "checkpoint-2" / "optimizer")
     counts = {float(v) for k, v in optimizer.items() if k.endswith(".step")}

@@ -1,6 +1,6 @@
 """Two real train.py processes on one output_dir: the second refuses and touches nothing.
 
-The first run holds `<output_dir>/.relay-lock` for its whole life (trainer.run_lock); a second
+The first run holds `<output_dir>/.relay-lock` for its whole life (trainer.runtime.lock); a second
 run started meanwhile must exit 2 with one paragraph naming the first, and leave every file of
 the first run as it was. A run killed with SIGKILL leaves a stale record, which the next run
 reports and takes over.
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-PREEMPTED = 75  # trainer.preemption.PREEMPTED_EXIT_CODE
-LOCK_FILE = ".relay-lock"  # trainer.run_lock.LOCK_FILE
+PREEMPTED = 75  # trainer.runtime.preemption.PREEMPTED_EXIT_CODE
+LOCK_FILE = ".relay-lock"  # trainer.runtime.lock.LOCK_FILE
 
 
 def _wait_until(condition, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from trainer.files import write_json
+from trainer.runtime.files import write_json
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 
@@ -88,13 +88,13 @@ def vae_input(frames: np.ndarray, *, temporal: int, spatial: int) -> torch.Tenso
 
 
 class MediaEncoder:
-    """The VAE (trainer.vae.WanVAE) and the text encoder, loaded once per process from local
+    """The VAE (trainer.encoders.vae.WanVAE) and the text encoder, loaded once per process from local
     directories."""
 
     def __init__(self, vae_dir, text_encoder_dir, *, skip_layer: int = 0, max_text_tokens: int = 512,
                  device="cpu"):
-        from trainer.text_encoder import TransformersTextEncoder
-        from trainer.vae import WanVAE
+        from trainer.encoders.text import TransformersTextEncoder
+        from trainer.encoders.vae import WanVAE
 
         try:
             self.vae = WanVAE(vae_dir, device=device)

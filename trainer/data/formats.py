@@ -1,7 +1,7 @@
 """The on-disk sample format (ARCHITECTURE.md, "Data format"): columns, dtypes, shard discovery.
 
 Torch-free, so `relay data inspect/plan` and the login-node checks can use it. Two layouts are
-read as they are: relay's own shards (what trainer.synthetic and `relay data encode` write) and
+read as they are: relay's own shards (what trainer.data.synthetic and `relay data encode` write) and
 FastVideo's preprocessed T2V datasets. Both store each tensor as a (bytes, shape, dtype) column
 triple; they differ in where the files sit and in the extra columns they carry.
 """

@@ -84,7 +84,7 @@ class DistributedBatchIterator:
     the order, mixing and packing), plus num_workers / prefetch_factor (DataLoader's; 0 workers
     reads in this process), pin_memory (page-locked batches for a GPU), and reset_streams:
     stream names whose cursors a resume restarts (the seed's resume_video_csv: false is
-    ("video",)), and caption_encoder: the text encoder (trainer.text_encoder) that encodes the
+    ("video",)), and caption_encoder: the text encoder (trainer.encoders.text) that encodes the
     captions of data that stores none of their embeddings, in this process (see
     encode_captions). next_batch() gives collate_batch's dict (collate_pack's with a token
     budget).

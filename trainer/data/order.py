@@ -137,7 +137,7 @@ class BatchPlan:
         """The global stream positions of the `count` samples of the batch at `cursor`: sample
         p of this rank's epoch e is sample p x dp_world + dp_rank of the epoch's one global
         order, the same sample whatever the number of ranks. They key the samples' random draws
-        (trainer.sample_draws), so the draws do not depend on how the world is split."""
+        (trainer.diffusion.sample_draws), so the draws do not depend on how the world is split."""
         stream = self.stream_of_batch(cursor["batch"])
         place = cursor["streams"][stream]
         epoch, start = place["epoch"], place["position"]

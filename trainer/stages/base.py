@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 log = logging.getLogger("relay")
-from trainer.distributed import total_norm_value
+from trainer.parallel.distributed import total_norm_value
 
 
 class NonFiniteError(RuntimeError):
@@ -31,7 +31,7 @@ class NonFiniteError(RuntimeError):
 @dataclass(frozen=True)
 class WarmStartSource:
     """Weights a stage starts from when its output_dir has no checkpoint: `role` (a key of
-    Stage.roles) is loaded from `path` (trainer.warm_start's kinds of path) by trainer.run_state."""
+    Stage.roles) is loaded from `path` (trainer.checkpoint.warm_start's kinds of path) by trainer.checkpoint.run_state."""
 
     role: str
     path: str

@@ -13,7 +13,7 @@ g = (x0_fake - x0_real) / per-sample mean |x_hat - x0_real|; L_G = 0.5 masked_me
 sg(x_hat - g))^2), whose gradient w.r.t. x_hat is g / #valid elements (§7.5). Critic update:
 a fresh no-grad rollout x_hat, FM loss of the critic on it (§7.6). EMA of the student after
 its updates, counted in student updates (§7.8a, §9). Every step also logs what the health
-gate (trainer.health) watches: dmd_grad_rms, critic_loss_rel (the critic's FM loss over its
+gate (trainer.runtime.health) watches: dmd_grad_rms, critic_loss_rel (the critic's FM loss over its
 first value) and generator_critic_loss_ratio.
 
 A micro-batch may be a pack of samples of different shapes (packing_token_budget): each sample
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from trainer import flow
-from trainer.distributed import max_across_ranks, mean_across_ranks
-from trainer.sample_draws import SampleDraws, step_generator
+from trainer.diffusion import flow
+from trainer.parallel.distributed import max_across_ranks, mean_across_ranks
+from trainer.diffusion.sample_draws import SampleDraws, step_generator
 from trainer.stages import rollout as ro
 from trainer.stages.base import (Stage, WarmStartSource, autocast_context, batch_to_device,
                                  clip_and_check)
@@ -102,7 +102,7 @@ def teacher_x0(teacher: nn.Module, x_noisy: torch.Tensor, sigma_frames: torch.Te
                captions: Captions, guidance_scale: float) -> torch.Tensor:
     """The teacher's guided x0 = x - sigma R_s(F(x | c), F(x | null)), float32.
 
-    R_s is computed as the standard u + w (c - u) with w = 1 + s (trainer.flow.guided, one
+    R_s is computed as the standard u + w (c - u) with w = 1 + s (trainer.diffusion.flow.guided, one
     batched forward; s = 0 runs the conditional branch only).
     """
     v = flow.guided(teacher, x_noisy, sigma_frames * N, captions.text, captions.mask,
@@ -302,7 +302,7 @@ class DMDSGFStage(Stage):
                 "critic_lr": optimizer.param_groups[0]["lr"]}
 
     def _health_numbers(self, critic_loss: float) -> dict[str, float]:
-        """What trainer.health watches: the critic's FM loss over its first value in this
+        """What trainer.runtime.health watches: the critic's FM loss over its first value in this
         Stage2 run, and the latest student loss over this step's critic loss (a student whose
         DMD loss grows while the critic's does not is drifting from the teacher)."""
         if self.critic_loss_start is None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainer import flow
-from trainer.distributed import gradient_sync, mean_across_ranks
-from trainer.sample_draws import SampleDraws
+from trainer.diffusion import flow
+from trainer.parallel.distributed import gradient_sync, mean_across_ranks
+from trainer.diffusion.sample_draws import SampleDraws
 from trainer.stages.base import (Stage, WarmStartSource, autocast_context, batch_to_device, clip_and_check,
                                   learning_rates)
 
@@ -124,7 +124,7 @@ def fm_loss(model: nn.Module, batch: dict, args, null_text: torch.Tensor,
             draws: SampleDraws | None = None) -> tuple[torch.Tensor, dict]:
     """The FM loss of one micro-batch (§3.2) and a few diagnostics.
 
-    draws: the micro-batch's per-sample generators (trainer.sample_draws); without them
+    draws: the micro-batch's per-sample generators (trainer.diffusion.sample_draws); without them
     (the kernel warm-up) the samples are keyed 0..B-1 at step 0.
     """
     x0 = batch["latents"]

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from trainer import flow
-from trainer.sample_draws import SampleDraws
+from trainer.diffusion import flow
+from trainer.diffusion.sample_draws import SampleDraws
 
 N = flow.NUM_TRAIN_TIMESTEPS
 
@@ -332,7 +332,7 @@ def simulate_packed_rollout(model: nn.Module, noises: list[torch.Tensor], texts,
     per sample). Round c runs chunk c of every sample that has one through one packed KV cache
     (VideoDiT.forward_chunk_packed), so each sample gets what its own rollout gives. `rounds`
     (>= the pack's chunks) is what every rank of a sharded model runs: a round with no chunk
-    left runs the same forwards on a placeholder chunk and drops them (trainer.distributed.
+    left runs the same forwards on a placeholder chunk and drops them (trainer.parallel.distributed.
     max_across_ranks agrees on it). Raises ValueError for an exit index outside the list.
     """
     if not 0 <= exit_index < len(sigmas):

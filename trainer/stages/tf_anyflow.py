@@ -25,11 +25,11 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
-from trainer import flow
-from trainer.distributed import gather_across_ranks, sum_across_ranks
-from trainer.checkpoint_layout import CheckpointError
+from trainer.diffusion import flow
+from trainer.parallel.distributed import gather_across_ranks, sum_across_ranks
+from trainer.checkpoint.layout import CheckpointError
 from trainer.stages.base import WarmStartSource
-from trainer.sample_draws import SampleDraws
+from trainer.diffusion.sample_draws import SampleDraws
 from trainer.stages.fm import FlowMatchingStage, sample_condition_frames
 
 N = flow.NUM_TRAIN_TIMESTEPS
@@ -340,7 +340,7 @@ def anyflow_batch_loss(u_model: nn.Module, batch: dict, args, null_text: torch.T
 
     u_model: called as u_model(noisy, clean, t, text, text_mask, r) -> the noisy-half
     teacher-forcing prediction (TeacherForcingForward). draws: the per-sample generators
-    (trainer.sample_draws; default: samples keyed 0..B-1 at step 0). positions [B]: where the
+    (trainer.diffusion.sample_draws; default: samples keyed 0..B-1 at step 0). positions [B]: where the
     samples sit in the global batch of `global_batch` samples, which decides their kinds
     (default: 0..B-1 of B). Returns (loss, stats) where stats holds per-kind sums and counts
     of the unscaled losses and the diffusion reference.

@@ -1,0 +1,1 @@
+"""Checkpoints: format, atomic writes, checksums, resume, warm start, export."""

@@ -1,0 +1,1 @@
+"""Flow matching, samplers, and random draws keyed by sample."""

@@ -1,0 +1,1 @@
+"""Validation during training, pixel scorers, inference and export, media files."""

@@ -1,0 +1,151 @@
+"""Validation during training: sample fixed captions, score them, keep the videos.
+
+Every `validation_interval` steps (and at the end of the run) rank 0 samples a fixed, seeded
+subset of the evaluation captions with the stage's own sampler, for the live weights and/or
+the EMA (under FSDP every rank samples too, since each forward gathers the sharded blocks,
+but only rank 0 decodes, scores and writes), and writes
+
+    samples/step-<N>/grid.png              every caption's clip, captioned, one block per weights
+    samples/step-<N>/<weights>/grid.png    one row of frames per caption
+    samples/step-<N>/<weights>/frames.npy  uint8 [captions, T, H, W, 3]
+    samples/step-<N>/<weights>/clip-<i>.mp4|gif
+    (clips decoded through the VAE at vae_path when it is set; else latents are pixels)
+    samples/step-<N>/manifest.json         written last: captions, sampler, scores, files
+
+The scores go into that step's metrics.jsonl record. A validation that fails is logged as an
+error and training goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("relay")
+
+
+def validation_due(args, step: int) -> bool:
+    """Whether `step` validates: every validation_interval steps and at the last step."""
+    if args.validation_interval < 0:
+        return False
+    if step == args.max_steps:
+        return True
+    return args.validation_interval > 0 and step % args.validation_interval == 0
+
+
+def validation_captions(count: int, generator: str = "shapes") -> list[str]:
+    """`count` captions spread evenly over the generator's fixed evaluation set (for the
+    default: all colours, directions)."""
+    from trainer.evaluation.evaluate import evaluation_suite
+
+    captions = evaluation_suite(generator)[0]
+    count = max(1, min(count, len(captions)))
+    stride = len(captions) / count
+    # An odd stride through colour x direction x shape order visits every colour and direction.
+    picks = [captions[int(i * stride)] for i in range(count)]
+    return picks
+
+
+def run_validation(stage, args, step: int, output_dir: Path, latent_shape,
+                   main: bool = True) -> dict:
+    """Sample, score and save; returns metrics {"val/<weights>/colour_accuracy": ...}.
+
+    main=False only samples and returns {}: the other ranks of a sharded model, which must take
+    part in every forward (the blocks' all-gathers) but leave the VAE decode, the pixel checks
+    and the files to the main rank, whose samples are the same (one seeded generator).
+    """
+    from trainer.evaluation.evaluate import summary_scores
+    from trainer.diffusion.sampling import sampler_settings
+
+    started = time.perf_counter()
+    generator = args.get("synthetic_generator", "shapes")
+    captions = validation_captions(args.validation_num_captions, generator)
+    steps, guidance = sampler_settings(args)
+    out = output_dir / "samples" / f"step-{step}"
+    manifest = {"step": step, "stage": args.stage, "captions": captions, "sampler_steps": steps,
+                "guidance": guidance, "seed": args.validation_seed, "weights": {}}
+    # Every set of weights is sampled before anything is decoded: a decode that fails on the
+    # main rank must not leave the others waiting in a forward it no longer runs.
+    sampled = list(_sample_each_weights(stage, args, captions, latent_shape, steps, guidance))
+    if not main:
+        return {}
+    from trainer.runtime.files import write_json
+    from trainer.evaluation.media import write_validation_grid
+
+    metrics, blocks = {}, []
+    for weights, latents in sampled:
+        clips, scores, files = _decode_and_score(args, generator, latents, captions, out / weights)
+        summary = summary_scores(scores)
+        manifest["weights"][weights] = {**summary, "per_caption": scores["per_caption"],
+                                        "files": files}
+        metrics.update({f"val/{weights}/{k}": v for k, v in summary.items()})
+        blocks.append(_grid_block(output_dir.name, step, weights, clips, captions, scores))
+    out.mkdir(parents=True, exist_ok=True)
+    manifest["grid"] = str(write_validation_grid(out / "grid.png", blocks))
+    write_json(out / "manifest.json", manifest)
+    seconds = time.perf_counter() - started
+    log.info("validation step %d: %s -> %s (%.1f s)", step,
+             ", ".join(f"{k} {v:.0%}" for k, v in metrics.items()), out, seconds)
+    # What validation costs the run: docs/training.md breaks a run's time down with it.
+    metrics["val/seconds"] = seconds
+    return metrics
+
+
+def _sample_each_weights(stage, args, captions: list[str], latent_shape, steps: int,
+                         guidance: float):
+    """(weights name, sampled latents [captions, C, T, H, W]) for each validated set of
+    weights; the model is in eval mode while sampling and back in its mode between yields."""
+    from trainer.diffusion.sampling import sampler_for, sampling_shift
+
+    model = stage.sampling_model()
+    device = next(model.parameters()).device
+    text, mask = stage.text_encoder.encode(captions)
+    null_text, null_mask = stage.text_encoder.null_embedding()
+    sampler = sampler_for(args.stage)
+    for weights, context in _weight_contexts(stage, model, args.validation_weights):
+        was_training = model.training
+        model.eval()
+        try:
+            with context:
+                latents = sampler(model, text.to(device), mask.to(device), null_text.to(device),
+                                  null_mask.to(device), shape=(len(captions), *latent_shape),
+                                  steps=steps, guidance=guidance, shift=sampling_shift(args),
+                                  generator=torch.Generator().manual_seed(args.validation_seed))
+        finally:
+            model.train(was_training)
+        yield weights, latents
+
+
+def _decode_and_score(args, generator: str, latents, captions: list[str], out: Path):
+    """(uint8 clips, the pixel checker's report, the files written under `out`)."""
+    from trainer.evaluation.evaluate import evaluation_suite
+    from trainer.evaluation.media import write_validation_files
+    from trainer.encoders.vae import latents_to_clips
+
+    clips = latents_to_clips(latents, args.vae_path)
+    scores = evaluation_suite(generator)[1](clips, captions)
+    return clips, scores, write_validation_files(clips, out)
+
+
+def _grid_block(run: str, step: int, weights: str, clips, captions, scores):
+    from trainer.evaluation.media import GridBlock, detection_verdicts
+
+    title = (f"{run} step {step}, {weights} weights: colour {scores['colour_accuracy']:.0%}, "
+             f"direction {scores['direction_accuracy']:.0%}")
+    if "shape_accuracy" in scores:  # the benchmark's checker
+        title += f", shape {scores['shape_accuracy']:.0%}, mean {scores['mean_score']:.0%}"
+    return GridBlock(title=title, clips=clips, labels=captions,
+                     verdicts=detection_verdicts(scores["per_caption"]))
+
+
+def _weight_contexts(stage, model, which: str):
+    import contextlib
+
+    ema = next(iter(stage.emas.values()), None) if stage.emas else None
+    if which in ("live", "both"):
+        yield "live", contextlib.nullcontext()
+    if which in ("ema", "both") and ema is not None:
+        yield "ema", ema.swapped_in(model)

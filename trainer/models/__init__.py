@@ -1,0 +1,1 @@
+"""Model families: the interface the stages call, the registry, and the attention kernels."""

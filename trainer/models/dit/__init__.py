@@ -1,0 +1,1 @@
+"""relay's own video DiT: config (torch-free), module."""

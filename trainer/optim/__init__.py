@@ -1,0 +1,1 @@
+"""Optimizers (Muon + AdamW), LR schedules, EMA."""

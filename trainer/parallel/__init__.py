@@ -1,0 +1,1 @@
+"""How ranks split and talk: topology, process groups, FSDP2, context parallel, memory estimate."""

@@ -1,0 +1,1 @@
+"""What surrounds a run: lock, preemption, health gate, tracking, environment, allocator, files."""
