@@ -169,7 +169,7 @@ def build_wan(size: dict, mode: str, checkpointing: str, device):
 
     import torch._inductor.config as inductor_config
 
-    # ARCHITECTURE.md, known pitfalls: wrong adaLN-table gradients in compiled Wan blocks on
+    # A known pitfall: wrong adaLN-table gradients in compiled Wan blocks on
     # torch 2.11 without this (relay's compile_transformer_blocks sets it too).
     if hasattr(inductor_config.triton, "mix_order_reduction"):
         inductor_config.triton.mix_order_reduction = False

@@ -1,4 +1,4 @@
-"""`<root>/pipeline.json`: which job runs which stage where (the contract in ARCHITECTURE.md).
+"""`<root>/pipeline.json`: which job runs which stage where (the contract in docs/pipeline.md, "The pipeline directory").
 
     {"pipeline": <path>, "name": ..., "submitted_at": ..., "root": ..., "workdir": ...,
      "stages": {"<name>": {"output_dir": ..., "job_id": ... (null under relay run),

@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 
 
 def test_teacher_forcing_mask_reproduces_the_spec_example():
-    # ALGORITHMS.md §5.2: three chunks, one token each, order (c0, c1, c2, n0, n1, n2)
+    # docs/algorithms.md, "Attention mask": three chunks, one token each, order (c0, c1, c2, n0, n1, n2)
     expected = torch.tensor([
         [1, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0],
@@ -34,7 +34,7 @@ def test_teacher_forcing_mask_reproduces_the_spec_example():
 
 
 def _tf_rule(q, k, ch, v, window):
-    """The §5.2 rule written token by token, as the reference for the vectorised builder."""
+    """The "Attention mask" rule of docs/algorithms.md, written token by token, as the reference for the vectorised builder."""
     if q == k:
         return True
     q_clean, k_clean = q < v, k < v

@@ -1,4 +1,4 @@
-"""Stage2 (DMD via SGF): ALGORITHMS.md §7.9 items 1-11 and §8 (a)-(d), plus a short end-to-end
+"""Stage2 (DMD via SGF): the properties of docs/algorithms.md, "Stage2: DMD via SGF", plus a short end-to-end
 run through train.py (warm start from FM checkpoints, resume after a kill, relay sample)."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def all_frames() -> torch.Tensor:
     return torch.ones(B, T, dtype=torch.bool)
 
 
-# ---- §7.9-1, 2, 3, 4: the DMD gradient and the surrogate ---------------------------------------
+# ---- the DMD gradient and the surrogate --------------------------------------------------------
 
 
 @pytest.mark.parametrize("scale,same_caption", [(0.0, False), (3.0, True)])
@@ -136,7 +136,7 @@ def test_anchor_frame_is_left_out_of_normaliser_gradient_and_loss_and_nan_there_
     assert torch.allclose(g[0, :, 1:], (fake - real)[0, :, 1:] / dist0, atol=1e-12)
 
 
-# ---- §7.9-5: guidance conventions -------------------------------------------------------------
+# ---- guidance conventions ---------------------------------------------------------------------
 
 
 def test_reference_cfg_equals_standard_cfg_with_w_one_plus_s_on_velocities_or_x0():
@@ -164,7 +164,7 @@ def test_teacher_x0_applies_reference_guidance_with_the_null_caption():
     assert torch.allclose(got, want, atol=1e-10)
 
 
-# ---- §7.9-6: the step list ----------------------------------------------------------------------
+# ---- the step list ------------------------------------------------------------------------------
 
 
 def test_warp_moves_the_four_step_list_onto_the_shift_5_table():
@@ -184,7 +184,7 @@ def test_sampler_steps_equal_the_warped_training_list_and_the_fm_grid():
         R.warp_denoising_steps([1200], 5.0)
 
 
-# ---- §7.9-7: cadence and EMA -------------------------------------------------------------------
+# ---- cadence and EMA ---------------------------------------------------------------------------
 
 
 def test_student_updates_every_fifth_outer_step_after_warming_the_critic():
@@ -209,7 +209,7 @@ def test_ema_starting_at_student_update_s_first_updates_at_outer_step_5s(start, 
     assert ema.num_updates == 1 + (updates - start)
 
 
-# ---- §7.9-8 and §8: rollout, replay, cache ----------------------------------------------------
+# ---- rollout, replay, cache -------------------------------------------------------------------
 
 
 def run_reference(model, noise, cap, sigmas, j, seed, anchor=None, anchored=None):
@@ -357,7 +357,7 @@ def test_sample_student_is_deterministic_and_keeps_the_first_frame():
     assert len(log.calls) == 4 * (T // 2) and len(log.commits) == T // 2  # 4 NFE per chunk
 
 
-# ---- a stage on tiny models (§7.9-9, 10, 11) -------------------------------------------------
+# ---- a stage on tiny models ------------------------------------------------------------------
 
 
 class FakeData:

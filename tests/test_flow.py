@@ -1,6 +1,6 @@
 """Flow matching: samplers, shift, path identities, loss weights and the FM loss.
 
-ALGORITHMS.md §2.5 and §3.4, item by item.
+docs/algorithms.md, "Noise levels" and "The FM loss", property by property.
 """
 
 import math
@@ -17,7 +17,7 @@ def _gen(seed=0):
     return torch.Generator().manual_seed(seed)
 
 
-# --- shift (§2.5 items 1, 2) -----------------------------------------------------------------
+# --- shift -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("u, expected", [(0.25, 0.625), (0.5, 5 / 6), (0.75, 0.9375)])
 def test_shift_five_matches_worked_examples(u, expected):
@@ -66,7 +66,7 @@ def test_dynamic_shift_hits_configured_mu_at_both_token_counts():
                               base_shift=1.0, max_shift=2.0) == pytest.approx(math.e)
 
 
-# --- base samplers (§2.5 items 3, 4) ---------------------------------------------------------
+# --- base samplers ---------------------------------------------------------------------------
 
 def test_mode_transform_without_scale_is_one_minus_u():
     u = torch.rand(10000, generator=_gen())
@@ -165,7 +165,7 @@ def test_sampling_sigmas_descend_from_one_to_zero():
     assert sig[6].item() == pytest.approx(0.625)  # S(1 - 6/8; 5) = S(0.25; 5)
 
 
-# --- path identities (§3.4 item 2) and broadcasting (replaces item 5) ------------------------
+# --- path identities and broadcasting --------------------------------------------------------
 
 def _latents(b=3, c=4, t=5, h=2, w=3, seed=0):
     g = _gen(seed)
@@ -230,7 +230,7 @@ def test_interpolate_keeps_latent_dtype():
     assert out.dtype == torch.bfloat16
 
 
-# --- loss weights (§2.5 item 5) --------------------------------------------------------------
+# --- loss weights ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("shift", [1.0, 5.0])
 def test_gaussian_weights_have_unit_mean_zero_min_and_peak_at_500(shift):
@@ -271,7 +271,7 @@ def test_loss_weight_none_is_ones_and_unknown_kind_raises():
         flow.loss_weight(torch.rand(4), "snr")
 
 
-# --- FM loss (§3.4 items 1, 3, 4) ------------------------------------------------------------
+# --- FM loss ---------------------------------------------------------------------------------
 
 def test_oracle_prediction_has_zero_loss():
     x0, noise = _latents()

@@ -1,4 +1,4 @@
-"""The house rules of the code layout (ARCHITECTURE.md): no import circles among relay's modules,
+"""The house rules of the code layout (docs/layout.md): no import circles among relay's modules,
 the compute side never imports the login side, and the login side runs without torch."""
 
 from __future__ import annotations

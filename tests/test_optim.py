@@ -1,6 +1,6 @@
 """Muon, the Muon/AdamW optimizer, the parameter split and LR schedules.
 
-ALGORITHMS.md §10.3 items 1-6, plus schedule shapes, state round trips and a descent check.
+docs/algorithms.md, "Muon", property by property, plus schedule shapes, state round trips and a descent check.
 """
 
 import copy
@@ -24,7 +24,7 @@ def _orthonormal(rows, cols, seed):
     return q.float()
 
 
-# --- Newton-Schulz (§10.3 items 1-4) ---------------------------------------------------------
+# --- Newton-Schulz ---------------------------------------------------------------------------
 
 def test_ns5_squeezes_singular_values_and_keeps_singular_vectors():
     U, V = _orthonormal(64, 32, 1), _orthonormal(32, 32, 2)
@@ -67,7 +67,7 @@ def test_ns5_of_zero_gradient_is_zero_not_nan():
     assert torch.equal(optim.newton_schulz5(torch.zeros(6, 4)), torch.zeros(6, 4))
 
 
-# --- Muon update (§10.3 item 5) --------------------------------------------------------------
+# --- Muon update -----------------------------------------------------------------------------
 
 def _one_muon_step(weight, grad, **kwargs):
     p = nn.Parameter(weight.clone())
@@ -120,7 +120,7 @@ def test_muon_rejects_vector_parameters():
         optim.Muon([nn.Parameter(torch.zeros(5))])
 
 
-# --- parameter split (§10.3 item 6) ----------------------------------------------------------
+# --- parameter split -------------------------------------------------------------------------
 
 class _Block(nn.Module):
     def __init__(self, d):

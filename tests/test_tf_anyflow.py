@@ -1,4 +1,4 @@
-"""Stage1 TF-AnyFlow: ALGORITHMS.md §6.10 items 1-10, the flow-map sampler, and a run end to end."""
+"""Stage1 TF-AnyFlow (docs/algorithms.md, "Stage1: TF-AnyFlow"): its properties, the flow-map sampler, and a run end to end."""
 
 from __future__ import annotations
 

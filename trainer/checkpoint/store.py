@@ -1,7 +1,7 @@
 """Checkpoints that never lose work: atomic save, rotation, newest-readable resume.
 
-A checkpoint is a directory `<output_dir>/checkpoint-<step>/` (layout: docs/checkpoints.md and
-ARCHITECTURE.md "Output directory"). It is written as `checkpoint-<step>.tmp/`, and only after
+A checkpoint is a directory `<output_dir>/checkpoint-<step>/` (layout: docs/checkpoints.md,
+"What is on disk"). It is written as `checkpoint-<step>.tmp/`, and only after
 every file is on disk does rank 0 write `COMPLETE` (JSON listing every file and its size) and
 rename the directory into place. So a `checkpoint-<step>/` either holds a whole checkpoint or
 was not made here; a crash leaves at worst a `.tmp` directory that nothing loads.

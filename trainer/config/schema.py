@@ -244,7 +244,7 @@ SECTIONS: dict[str, list[Arg]] = {
     ],
     "stage1": [
         Arg("anyflow_epsilon", "float", 5.0,
-            "Finite-difference half-width in raw timestep units (ALGORITHMS.md §6.5)."),
+            "Finite-difference half-width in raw timestep units (docs/algorithms.md, 'Flow-map loss')."),
         Arg("anyflow_diffusion_ratio", "float", 0.5,
             "Fraction of the global batch trained on the diagonal r = t (plain FM)."),
         Arg("anyflow_consistency_ratio", "float", 0.25,
@@ -288,7 +288,7 @@ SECTIONS: dict[str, list[Arg]] = {
             "Student rollout timesteps (raw units), warped onto the shifted grid when "
             "warp_denoising_step is true."),
         Arg("warp_denoising_step", "bool", True,
-            "Warp dmd_denoising_steps onto the train_timestep_shift grid (§7.3)."),
+            "Warp dmd_denoising_steps onto the train_timestep_shift grid (docs/algorithms.md, 'Step list')."),
         Arg("real_guidance_scale", "float", 3.0,
             "Teacher CFG in the reference convention R_s(c, u) = c + s (c - u) (s = 3 is "
             "standard w = 4; 0 = conditional only)."),

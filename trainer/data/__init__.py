@@ -1,4 +1,4 @@
-"""Training data: pre-encoded parquet samples, read as a stream (ARCHITECTURE.md, "Data format").
+"""Training data: pre-encoded parquet samples, read as a stream (docs/data.md, "Layouts").
 
   formats   the columns, dtypes and shard discovery of relay's and FastVideo's layouts (no torch)
   index     where each sample lives and its shape, from the small columns only (no torch)

@@ -1,4 +1,4 @@
-"""The on-disk sample format (ARCHITECTURE.md, "Data format"): columns, dtypes, shard discovery.
+"""The on-disk sample format (docs/data.md, "Layouts"): columns, dtypes, shard discovery.
 
 Torch-free, so `relay data inspect/plan` and the login-node checks can use it. Two layouts are
 read as they are: relay's own shards (what trainer.data.synthetic and `relay data encode` write) and

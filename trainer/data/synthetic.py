@@ -16,8 +16,8 @@ shape stays inside the frame on every frame.
 Sample i depends only on (seed, i): a larger dataset with the same seed starts with the
 smaller one's samples.
 
-`generate_dataset` writes parquet shards in the data contract (ARCHITECTURE.md, "Data
-format"); `ensure_dataset` builds such a cache once and reuses it, publishing atomically.
+`generate_dataset` writes parquet shards in the data contract (docs/data.md,
+"Layouts"); `ensure_dataset` builds such a cache once and reuses it, publishing atomically.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Flow matching: noise levels, the straight noise path, velocity targets and the FM loss.
 
-Convention (ALGORITHMS.md §1.1, Wan/LTX): sigma in [0, 1], sigma = 1 is pure noise,
+Convention (docs/algorithms.md, "Notation and conventions"; Wan/LTX): sigma in [0, 1], sigma = 1 is pure noise,
 x_sigma = (1 - sigma) * x0 + sigma * noise, velocity target v = noise - x0 (noise-ward), and the
 timestep embedder receives the raw timestep N * sigma with N = NUM_TRAIN_TIMESTEPS.
 
@@ -18,7 +18,7 @@ import torch
 from trainer.models.dit.config import NUM_TRAIN_TIMESTEPS  # noqa: F401  (flow.NUM_TRAIN_TIMESTEPS)
 
 # Every base sample is squeezed into this interval so that neither end of the path (where the
-# model input is exactly data or exactly noise) is drawn. ALGORITHMS.md §2.1.
+# model input is exactly data or exactly noise) is drawn. docs/algorithms.md, "Base draws".
 SIGMA_MIN = 1e-5
 SIGMA_MAX = 1.0 - 1e-5
 
@@ -28,7 +28,7 @@ LOSS_WEIGHTINGS = ("none", "gaussian", "beta08")
 
 
 # ---------------------------------------------------------------------------------------------
-# Base samplers (§2.1)
+# Base samplers (docs/algorithms.md, "Base draws")
 # ---------------------------------------------------------------------------------------------
 
 def mode_transform(u_prime: torch.Tensor, mode_scale: float) -> torch.Tensor:
@@ -54,9 +54,9 @@ def sample_base_sigma(
     """Draw `batch_size` unshifted noise levels from the base density `snr_type`.
 
     Returns a float32 tensor [batch_size] on `device`, every value in [SIGMA_MIN, SIGMA_MAX]
-    (each draw is affinely mapped into that interval, §2.1). `mix` takes a lognorm draw with
+    (each draw is affinely mapped into that interval, "Base draws"). `mix` takes a lognorm draw with
     probability 1 - mix_uniform_ratio and a uniform draw otherwise, per sample; the lognorm
-    location/scale apply inside `mix` too (§11 item 2: assumed).
+    location/scale apply inside `mix` too (an assumption).
     Raises ValueError for an unknown `snr_type` (the message lists the valid ones) or a
     `mix_uniform_ratio` outside [0, 1].
     """
@@ -84,7 +84,7 @@ def sample_base_sigma(
 
 
 # ---------------------------------------------------------------------------------------------
-# Shift (§2.2)
+# Shift (docs/algorithms.md, "Shift")
 # ---------------------------------------------------------------------------------------------
 
 def _check_shift(shift: float) -> None:
@@ -119,10 +119,10 @@ def dynamic_shift(
     base_shift: float = 0.5,
     max_shift: float = 1.15,
 ) -> float:
-    """Resolution-dependent shift s = exp(mu(L)) with mu linear in the token count L (§2.2).
+    """Resolution-dependent shift s = exp(mu(L)) with mu linear in the token count L ("Shift").
 
     `base_shift` and `max_shift` are the values of mu (the log of the shift) at `base_tokens`
-    and `max_tokens` video tokens (Flux's constants by default; §11 item 1: unconfirmed for
+    and `max_tokens` video tokens (Flux's constants by default; unconfirmed for
     video). Outside [base_tokens, max_tokens] mu is extrapolated linearly, as Flux does.
     Returns the shift as a float, usable with `shift_sigma`.
     Raises ValueError when num_tokens < 1 or base_tokens == max_tokens.
@@ -154,11 +154,11 @@ def sample_training_sigma(
     generator: torch.Generator | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """Draw the training noise levels of one batch: a base draw, then the shift (§2.1 + §2.2).
+    """Draw the training noise levels of one batch: a base draw, then the shift ("Base draws", "Shift").
 
     shift_mode "fixed" uses `shift`; "dynamic" ignores it and uses
     `dynamic_shift(num_tokens, ...)`, where num_tokens counts the video tokens of one sample.
-    Returns a float32 tensor [batch_size] in (0, 1), one sigma per sample (§2.3).
+    Returns a float32 tensor [batch_size] in (0, 1), one sigma per sample ("Noise levels").
     Raises ValueError for an unknown snr_type or shift_mode, or dynamic mode without num_tokens.
     """
     if shift_mode not in SHIFT_MODES:
@@ -189,7 +189,7 @@ def sampling_sigmas(num_steps: int, shift: float = 1.0, *,
 
 
 # ---------------------------------------------------------------------------------------------
-# The straight path (§1.1)
+# The straight path (docs/algorithms.md, "Notation and conventions")
 # ---------------------------------------------------------------------------------------------
 
 def _expand_sigma(sigma, like: torch.Tensor) -> torch.Tensor:
@@ -248,7 +248,7 @@ def noise_from_velocity(x_sigma: torch.Tensor, sigma, velocity: torch.Tensor) ->
 
 
 # ---------------------------------------------------------------------------------------------
-# Loss weights (§2.4) and the FM loss (§3.1)
+# Loss weights and the FM loss (docs/algorithms.md, "Loss weights", "The FM loss")
 # ---------------------------------------------------------------------------------------------
 
 def shifted_timestep_grid(shift: float,
@@ -279,7 +279,7 @@ def _timestep_weights_cached(kind: str, shift: float, num_train_timesteps: int) 
 
 def timestep_weights(kind: str, shift: float = 1.0,
                      num_train_timesteps: int = NUM_TRAIN_TIMESTEPS) -> torch.Tensor:
-    """Loss weight of every point of `shifted_timestep_grid(shift)` (§2.4).
+    """Loss weight of every point of `shifted_timestep_grid(shift)` ("Loss weights").
 
     Returns a float64 tensor [N] aligned with the grid, with mean 1: "none" is all ones,
     "gaussian" peaks at raw t = N/2 and has minimum 0, "beta08" is tau * sqrt(1 - tau) on
@@ -317,7 +317,7 @@ def flow_matching_loss(
     weight: torch.Tensor | None = None,
     frame_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flow-matching loss of a velocity prediction against noise - x0 (§3.1), in float32.
+    """Flow-matching loss of a velocity prediction against noise - x0 ("The FM loss"), in float32.
 
     Each sample's loss is the mean squared error over its elements; with `frame_mask` [B, T]
     (latents [B, C, T, H, W]) frames marked False contribute nothing, neither value nor

@@ -107,7 +107,7 @@ def _check_layout(num_frames: int, tokens_per_frame: int, chunk_size: int,
 
 
 def _allowed(q_chunk, q_noisy, k_chunk, k_noisy, window: int | None):
-    """The chunk rule, elementwise on broadcastable index tensors (ALGORITHMS.md §5.2).
+    """The chunk rule, elementwise on broadcastable index tensors (docs/algorithms.md, "Attention mask").
 
     A clean key is seen by a clean query of the same or a later chunk and by a noisy query of a
     strictly later chunk, within `window` chunks; a noisy key only by noisy queries of its own
@@ -138,7 +138,7 @@ def teacher_forcing_mask(num_frames: int, tokens_per_frame: int, chunk_size: int
                          window_chunks: int | None = None) -> torch.Tensor:
     """Teacher-forcing mask over `[clean_0..clean_{M-1} | noisy_0..noisy_{M-1}]`: bool [2V, 2V].
 
-    True = allowed (ALGORITHMS.md §5.2): clean chunk i sees clean chunks max(0, i -
+    True = allowed (docs/algorithms.md, "Attention mask"): clean chunk i sees clean chunks max(0, i -
     window_chunks)..i; noisy chunk i sees its own noisy chunk and clean chunks
     max(0, i - window_chunks)..i-1 (never clean chunk i or later); clean never sees noisy.
     Raises ValueError for non-integer or out-of-range sizes.

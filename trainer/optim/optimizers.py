@@ -1,6 +1,6 @@
 """Optimizers and LR schedules: AdamW, or Muon for the blocks' hidden matrices plus AdamW.
 
-Muon (ALGORITHMS.md §10, KellerJordan/Muon) orthogonalises the Nesterov momentum of a 2-D
+Muon (docs/algorithms.md, "Muon"; KellerJordan/Muon) orthogonalises the Nesterov momentum of a 2-D
 weight with five Newton-Schulz iterations and applies it with KellerJordan's shape scale
 sqrt(max(1, rows/cols)); its learning rate is in spectral-norm units (default 0.02), so it is
 configured apart from the AdamW learning rate. `MuonWithAdamW` holds both kinds of parameter
@@ -30,12 +30,12 @@ _NS_COEFFS = (3.4445, -4.7750, 2.0315)
 LR_SCHEDULER_TYPES = ("constant", "linear", "cosine")
 
 # Name fragments that keep a 2-D weight inside `blocks` out of Muon: norms, adaLN modulation
-# (scale/shift/gate tables and their linears) and embedders are not hidden matrices (§10.2).
+# (scale/shift/gate tables and their linears) and embedders are not hidden matrices ("Parameter split").
 MUON_EXCLUDED_NAME_PARTS = ("norm", "modulation", "adaln", "embed", "scale_shift_table")
 
 
 # ---------------------------------------------------------------------------------------------
-# Newton-Schulz orthogonalisation (§10.1)
+# Newton-Schulz orthogonalisation (docs/algorithms.md, "Newton-Schulz")
 # ---------------------------------------------------------------------------------------------
 
 def newton_schulz5(G: torch.Tensor, steps: int = 5, eps: float = 1e-7, *,
@@ -111,7 +111,7 @@ def _orthogonalized_updates(updates: list[torch.Tensor], ns_steps: int) -> list[
 
 @torch.no_grad()
 def _muon_group_step(state: dict, group: dict) -> None:
-    """Apply one Muon step to every parameter with a gradient in `group` (§10.1)."""
+    """Apply one Muon step to every parameter with a gradient in `group` ("Newton-Schulz")."""
     lr = float(group["lr"])
     beta = group["momentum"]
     wd = group["weight_decay"]
@@ -269,7 +269,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
 
 # ---------------------------------------------------------------------------------------------
-# Parameter split (§10.2) and construction
+# Parameter split (docs/algorithms.md, "Parameter split") and construction
 # ---------------------------------------------------------------------------------------------
 
 def is_muon_parameter(name: str, param: torch.Tensor) -> bool:

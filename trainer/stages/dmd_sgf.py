@@ -1,18 +1,18 @@
-"""Stage2: DMD via SGF (self-gradient forcing), ALGORITHMS.md §7.
+"""Stage2: DMD via SGF (self-gradient forcing), docs/algorithms.md, "Stage2: DMD via SGF".
 
 Three roles: the causal student G (trained; init: Stage1 EMA without r_embedder.*), the frozen
 bidirectional teacher (real score; init: SFT) and the trainable bidirectional critic (fake
 score; init: SFT). Outer step k = step - 1 (the loop counts steps from 1): the student updates
 when k > 0 and k % generator_update_interval == 0, then the critic updates, every step
-(SolarWM order, §7.2 / §7.8a). Each update draws its own batch and its own rollout.
+(SolarWM order, "Cadence"). Each update draws its own batch and its own rollout.
 
 Student update: rollout (trainer/stages/rollout.py: no-grad simulation, then one
 teacher-forcing replay of the exit step with grad) -> x_hat; noise it to a score level
 sigma_s; teacher x0 with reference CFG R_s = c + s (c - u) and critic x0 (conditional);
 g = (x0_fake - x0_real) / per-sample mean |x_hat - x0_real|; L_G = 0.5 masked_mean((x_hat -
-sg(x_hat - g))^2), whose gradient w.r.t. x_hat is g / #valid elements (§7.5). Critic update:
-a fresh no-grad rollout x_hat, FM loss of the critic on it (§7.6). EMA of the student after
-its updates, counted in student updates (§7.8a, §9). Every step also logs what the health
+sg(x_hat - g))^2), whose gradient w.r.t. x_hat is g / #valid elements ("Student loss"). Critic update:
+a fresh no-grad rollout x_hat, FM loss of the critic on it ("Critic loss"). EMA of the student after
+its updates, counted in student updates ("Cadence", "EMA"). Every step also logs what the health
 gate (trainer.runtime.health) watches: dmd_grad_rms, critic_loss_rel (the critic's FM loss over its
 first value) and generator_critic_loss_ratio.
 
@@ -53,7 +53,7 @@ def teacher_model_config(student_config: dict) -> dict:
     return config
 
 
-# ---- cadence (§7.2) ----------------------------------------------------------------------
+# ---- cadence -----------------------------------------------------------------------------
 
 def outer_index(step: int) -> int:
     """The 0-based outer step k of the loop's 1-based `step`."""
@@ -71,7 +71,7 @@ def student_updates_through(step: int, interval: int) -> int:
     return max(0, step - 1) // interval
 
 
-# ---- losses (§7.5, §7.6) -----------------------------------------------------------------
+# ---- losses ------------------------------------------------------------------------------
 
 @dataclass
 class Captions:
@@ -86,7 +86,7 @@ class Captions:
 def sample_score_sigmas(batch: int, *, shift: float, min_ratio: float, max_ratio: float,
                         device=None, generator: torch.Generator | None = None) -> torch.Tensor:
     """Score noise levels [B] float32: raw ~ U{0..N-1}, sigma = clamp(S(raw/N; shift), min,
-    max) (§7.5). Drawn from `generator` (its device) or the global RNG on `device`."""
+    max) ("Student loss"). Drawn from `generator` (its device) or the global RNG on `device`."""
     where = generator.device if generator is not None else device
     raw = torch.randint(N, (batch,), generator=generator, device=where).to(torch.float64)
     sigma = flow.shift_sigma(raw / N, shift).clamp(min_ratio, max_ratio)
@@ -165,7 +165,7 @@ def masked_mean(x: torch.Tensor, frame_mask: torch.Tensor) -> torch.Tensor:
 
 def dmd_gradient(x_hat: torch.Tensor, x0_fake: torch.Tensor, x0_real: torch.Tensor,
                  frame_mask: torch.Tensor) -> torch.Tensor:
-    """The DMD gradient g = (x0_fake - x0_real) / max(mean |x_hat - x0_real|, 1e-8) (§7.5).
+    """The DMD gradient g = (x0_fake - x0_real) / max(mean |x_hat - x0_real|, 1e-8) ("Student loss").
 
     The normaliser is per sample, over its valid elements (DMD eq. 8); g is 0 on masked
     frames and NaN-free. Inputs are treated as constants (call under no_grad or detach).
@@ -193,7 +193,7 @@ def dmd_surrogate_loss(x_hat: torch.Tensor, g: torch.Tensor,
 
 def critic_flow_loss(critic_velocity: torch.Tensor, x_hat: torch.Tensor, noise: torch.Tensor,
                      frame_mask: torch.Tensor) -> torch.Tensor:
-    """The critic's FM loss on student samples: masked_mean((F - (noise - x_hat))^2) (§7.6);
+    """The critic's FM loss on student samples: masked_mean((F - (noise - x_hat))^2) ("Critic loss");
     x_hat is a constant (no gradient reaches the student)."""
     target = flow.velocity_target(_work(x_hat.detach()), _work(noise))
     return masked_mean((_work(critic_velocity) - target).square(), frame_mask)
@@ -325,7 +325,7 @@ class DMDSGFStage(Stage):
     def student_sample(self, batch: dict, *, with_grad: bool, draws: SampleDraws | None = None,
                        exit_generator: torch.Generator | None = None):
         """The student's sample x_hat [B, C, T, H, W] for a batch: (x_hat, loss frame mask
-        [B, T], exit index). with_grad: x_hat carries the exit step's gradient (§7.4, §7.7).
+        [B, T], exit index). with_grad: x_hat carries the exit step's gradient ("Rollout and KV cache").
         draws / exit_generator: the batch's per-sample generators and the one all ranks share
         for the exit step (default: samples keyed 0..B-1 and the exit of step 0)."""
         x0 = batch["latents"]

@@ -1,4 +1,4 @@
-"""Flow matching (pretrain and SFT): ALGORITHMS.md §3.
+"""Flow matching (pretrain and SFT): docs/algorithms.md, "Flow matching: pretrain and SFT".
 
 One sigma per sample from the configured sampler and shift; the model regresses the velocity
 n - x0. Conditioning tasks: a caption dropped to the null caption with cfg_drop_prob; with
@@ -54,7 +54,7 @@ def _pad_tokens(text: torch.Tensor, mask: torch.Tensor, length: int):
 
 
 def training_sigma(draws: SampleDraws, args, num_tokens: int) -> torch.Tensor:
-    """One training sigma per sample [B] from the diffusion keys (§3.2), each from its own
+    """One training sigma per sample [B] from the diffusion keys ("Noise levels"), each from its own
     generator."""
     return draws.stack(lambda g: _one_sigma(g, args, num_tokens))
 
@@ -122,7 +122,7 @@ class PackedForward(nn.Module):
 def fm_loss(model: nn.Module, batch: dict, args, null_text: torch.Tensor,
             null_mask: torch.Tensor, num_tokens: int,
             draws: SampleDraws | None = None) -> tuple[torch.Tensor, dict]:
-    """The FM loss of one micro-batch (§3.2) and a few diagnostics.
+    """The FM loss of one micro-batch ("The FM loss") and a few diagnostics.
 
     draws: the micro-batch's per-sample generators (trainer.diffusion.sample_draws); without them
     (the kernel warm-up) the samples are keyed 0..B-1 at step 0.

@@ -1,5 +1,5 @@
 """The causal student's rollout: step lists, the chunked KV-cache rollout, its teacher-forcing
-replay, and the Stage2 sampler (ALGORITHMS.md §7.3, §7.4, §7.7, §8).
+replay, and the Stage2 sampler (docs/algorithms.md, "Step list", "Rollout and KV cache", "Student sampler").
 
 A rollout makes a clip chunk by chunk (`causal_chunk_size` latent frames each). Every chunk
 starts from noise and runs the step list sigma_0 > sigma_1 > ... with the student's
@@ -39,12 +39,12 @@ from trainer.diffusion.sample_draws import SampleDraws
 N = flow.NUM_TRAIN_TIMESTEPS
 
 
-# ---- step lists (§7.3) ----------------------------------------------------------------------
+# ---- step lists (docs/algorithms.md, "Step list") -------------------------------------------
 
 def warp_denoising_steps(raw_steps, shift: float) -> list[float]:
     """The raw steps moved onto the shifted timestep table: a -> table'[N - a].
 
-    table'[i] = N * S(1 - i/N; shift) for i < N and table'[N] = 0 (§2.2), so for an integer
+    table'[i] = N * S(1 - i/N; shift) for i < N and table'[N] = 0 ("Shift"), so for an integer
     a in [0, N] the warped value is N * S(a / N; shift); that closed form is what is computed
     (float64). Returns floats in raw units, e.g. [1000, 750, 500, 250] with shift 5 ->
     [1000, 937.5, 833.33.., 625]. Raises ValueError for a step outside [0, N] or shift <= 0.
@@ -192,7 +192,7 @@ def _with_null_caption(text, mask, null_text, null_mask):
             torch.cat([pad(mask, False), pad(null_mask, False)]))
 
 
-# ---- the rollout (§7.4, §8) --------------------------------------------------------------------
+# ---- the rollout ("Rollout and KV cache") ------------------------------------------------------
 
 @dataclass
 class Rollout:
@@ -214,7 +214,7 @@ def simulate_rollout(student: CachedStudent, noise: torch.Tensor, sigmas: list[f
                      anchored: torch.Tensor | None = None,
                      generator: torch.Generator | SampleDraws | None = None,
                      grad_at_exit: bool = False) -> Rollout:
-    """Roll the student out chunk by chunk from `noise` [B, C, T, H, W] (§7.4 reference loop).
+    """Roll the student out chunk by chunk from `noise` [B, C, T, H, W] ("Rollout and KV cache", the reference loop).
 
     Every forward runs without gradient, except each chunk's exit forward when grad_at_exit
     (the Self-Forcing reference; training uses False and `replay_exit`). Re-noising draws from

@@ -1,19 +1,19 @@
-"""Stage1 TF-AnyFlow: causal teacher forcing + the AnyFlow v1.5 flow-map loss (ALGORITHMS.md §5, §6).
+"""Stage1 TF-AnyFlow: causal teacher forcing + the AnyFlow v1.5 flow-map loss (docs/algorithms.md, "Stage1: TF-AnyFlow").
 
 The model u(x_t, t, r) predicts the average noise-ward velocity over [r, t] (two-time
-embedding, §6.1). Every sample of the logical data-parallel batch gets a pair (t, r) whose kind
-is fixed by its global flat index (§6.3): the first half trains the diagonal r = t (plain FM),
-the next quarter r = 0 (the x0 map), the rest 0 < r < t. The target of the v1.5 form (§6.5)
+embedding, "Two-time model"). Every sample of the logical data-parallel batch gets a pair (t, r) whose kind
+is fixed by its global flat index ("Time pairs"): the first half trains the diagonal r = t (plain FM),
+the next quarter r = 0 (the x0 map), the rest 0 < r < t. The target of the v1.5 form ("Flow-map loss")
 holds the model's own finite difference along its own tangent:
 
     residual = (u(z, t, r) + (t - r) D - [w v_c + (1 - w) u(z, t, t | null)]) / w
 
 Every u call is a teacher-forcing forward over [clean x0 | noisy z] with the same clean context
-(§6.8); only the first has gradients. Per-sample losses are rescaled toward the mean diffusion
-loss, then time-weighted (§6.6, SolarWM order). Choices where the references leave one are
+("Stage1: TF-AnyFlow"); only the first has gradients. Per-sample losses are rescaled toward the mean diffusion
+loss, then time-weighted ("Batch reduction", SolarWM order). Choices where the references leave one are
 listed in docs/stages.md ("Stage1") and pinned by tests/test_tf_anyflow.py.
 
-`sample_flowmap` is the matching sampler (§6.9): any number of flow-map steps, chunk by chunk
+`sample_flowmap` is the matching sampler ("Flow-map sampler"): any number of flow-map steps, chunk by chunk
 with the KV cache for a causal model, committing each finished chunk clean.
 """
 
@@ -34,12 +34,12 @@ from trainer.stages.fm import FlowMatchingStage, sample_condition_frames
 
 N = flow.NUM_TRAIN_TIMESTEPS
 
-# Sample kinds by global flat index (§6.3).
+# Sample kinds by global flat index ("Time pairs").
 DIFFUSION, CONSISTENCY, FLOW_MAP = 0, 1, 2
 KIND_NAMES = {DIFFUSION: "diffusion", CONSISTENCY: "consistency", FLOW_MAP: "flowmap"}
 PAIR_SAMPLERS = ("v15", "nvlabs")
 
-# Floor of the finite-difference width (raw units) and of the rescale denominator (§6.5, §6.6).
+# Floor of the finite-difference width (raw units) and of the rescale denominator ("Flow-map loss", "Batch reduction").
 MIN_WINDOW = 1e-6
 RESCALE_EPS = 1e-5
 
@@ -52,7 +52,7 @@ VelocityFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # ---------------------------------------------------------------------------------------------
 
 # ---------------------------------------------------------------------------------------------
-# (t, r) pairs (§6.3)
+# (t, r) pairs ("Time pairs")
 # ---------------------------------------------------------------------------------------------
 
 class TimePairs(NamedTuple):
@@ -103,7 +103,7 @@ def sample_time_pairs(batch_size: int, *, rank: int = 0, world: int = 1,
                       diffusion_ratio: float = 0.5, consistency_ratio: float = 0.25,
                       sampler: str = "v15",
                       generator: torch.Generator | None = None) -> TimePairs:
-    """Normalized (t, r) per sample, r <= t, plus the kinds of `pair_kinds` (§6.3).
+    """Normalized (t, r) per sample, r <= t, plus the kinds of `pair_kinds` ("Time pairs").
 
     Two uniform draws per sample (all u1, then all u2): v15 takes t = u1, r = u2 t; nvlabs
     t = max, r = min. Diffusion samples get r = t, consistency r = 0. Strictness 0 < r < t of
@@ -148,7 +148,7 @@ def raw_time_pairs(pairs: TimePairs, shift: float,
 
 
 def pair_shift(args, num_tokens: int) -> float:
-    """The shift applied to both times: train_timestep_shift, or the dynamic one (§2.2)."""
+    """The shift applied to both times: train_timestep_shift, or the dynamic one ("Shift")."""
     if args.train_timestep_shift_mode == "dynamic":
         return flow.dynamic_shift(num_tokens, args.dynamic_shift_base_tokens,
                                   args.dynamic_shift_max_tokens, args.dynamic_shift_base,
@@ -157,7 +157,7 @@ def pair_shift(args, num_tokens: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# the v1.5 residual (§6.5) and the batch reduction (§6.6)
+# the v1.5 residual ("Flow-map loss") and the batch reduction ("Batch reduction")
 # ---------------------------------------------------------------------------------------------
 
 def _per_frame(values: torch.Tensor) -> torch.Tensor:
@@ -189,7 +189,7 @@ def anyflow_residual(u_fn: VelocityFn, x0: torch.Tensor, noise: torch.Tensor,
                      frame_mask: torch.Tensor | None = None,
                      guidance: torch.Tensor | float = 1.0,
                      u_null_fn: VelocityFn | None = None) -> tuple[torch.Tensor, dict]:
-    """The v1.5 residual (§6.5): [B, C, T, H, W] in float32 (float64 for float64 latents).
+    """The v1.5 residual ("Flow-map loss"): [B, C, T, H, W] in float32 (float64 for float64 latents).
 
     x0, noise: [B, C, T, H, W]; t, r: raw times per frame [B, T] (clean frames 0, r <= t);
     z = (1 - t/N) x0 + (t/N) noise. Calls, in order: u(z, t, r) with gradients, then without:
@@ -276,7 +276,7 @@ def masked_mean_square(residual: torch.Tensor, frame_mask: torch.Tensor | None =
 def adaptive_rescale(losses: torch.Tensor, is_diffusion: torch.Tensor, *,
                      gather: Callable[[torch.Tensor], torch.Tensor] = gather_across_ranks,
                      eps: float = RESCALE_EPS) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Rescale non-diffusion per-sample losses toward the mean diffusion loss (§6.6).
+    """Rescale non-diffusion per-sample losses toward the mean diffusion loss ("Batch reduction").
 
     mean_d = mean of the finite diffusion losses over all ranks (gathered, detached). Diffusion
     samples are returned unchanged; every other L_i becomes L_i * sg(mean_d / (L_i + eps)), so
@@ -300,7 +300,7 @@ def reduce_anyflow_losses(losses: torch.Tensor, is_diffusion: torch.Tensor,
                           gather: Callable[[torch.Tensor], torch.Tensor] = gather_across_ranks
                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The batch loss mean_i(rescaled L_i * w_time_i): rescale first, then the time weight
-    (SolarWM order, §6.6; NVlabs weights first, which cancels the weight of rescaled samples).
+    (SolarWM order, "Batch reduction"; NVlabs weights first, which cancels the weight of rescaled samples).
 
     Returns (loss, mean_d or None) as adaptive_rescale.
     """
@@ -336,7 +336,7 @@ def anyflow_batch_loss(u_model: nn.Module, batch: dict, args, null_text: torch.T
                        null_mask: torch.Tensor, *, num_tokens: int,
                        draws: SampleDraws | None = None, positions: torch.Tensor | None = None,
                        global_batch: int | None = None) -> tuple[torch.Tensor, dict]:
-    """The Stage1 loss of one micro-batch (§6.8) and its diagnostics.
+    """The Stage1 loss of one micro-batch ("Stage1: TF-AnyFlow") and its diagnostics.
 
     u_model: called as u_model(noisy, clean, t, text, text_mask, r) -> the noisy-half
     teacher-forcing prediction (TeacherForcingForward). draws: the per-sample generators
@@ -498,7 +498,7 @@ class TFAnyFlowStage(FlowMatchingStage):
         return _merge_stats(stats)
 
     def warm_start_sources(self) -> list[WarmStartSource]:
-        """The FM (SFT) weights; a source without E_r (r_embedder.*) gets E_t's copy (§6.1)."""
+        """The FM (SFT) weights; a source without E_r (r_embedder.*) gets E_t's copy ("Two-time model")."""
         return [dataclasses.replace(source, allow_missing=(*source.allow_missing, "r_embedder.*"))
                 for source in super().warm_start_sources()]
 
@@ -543,7 +543,7 @@ def _merge_stats(stats: list[dict]) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# sampling (§6.9)
+# sampling ("Flow-map sampler")
 # ---------------------------------------------------------------------------------------------
 
 def flowmap_step(x: torch.Tensor, t, r, u: torch.Tensor) -> torch.Tensor:
@@ -599,7 +599,7 @@ def sample_flowmap(model: nn.Module, text: torch.Tensor, text_mask: torch.Tensor
                    steps: int, guidance: float, shift: float = 1.0,
                    generator: torch.Generator | None = None,
                    first_frame: torch.Tensor | None = None) -> torch.Tensor:
-    """Flow-map sampling (§6.9): latents of `shape` [B, C, T, H, W] after `steps` jumps.
+    """Flow-map sampling ("Flow-map sampler"): latents of `shape` [B, C, T, H, W] after `steps` jumps.
 
     Grid sigma_k = S(1 - k/steps; shift); each step x <- x - (t - r) u(x, t, r). A causal
     model (causal_chunk_size set) goes chunk by chunk through its KV cache and commits each

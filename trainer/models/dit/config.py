@@ -13,7 +13,7 @@ from typing import Any
 
 __all__ = ["ATTENTION_BACKENDS", "DiTConfig", "MODEL_CONFIG_DEFAULTS", "NUM_TRAIN_TIMESTEPS"]
 
-# The model sees raw timesteps N * sigma in [0, N] (ALGORITHMS.md §1.1).
+# The model sees raw timesteps N * sigma in [0, N] (docs/algorithms.md, "Notation and conventions").
 NUM_TRAIN_TIMESTEPS = 1000
 
 # Every `attention_backend` value (trainer.models.attention routes each form of attention to a kernel

@@ -4,7 +4,7 @@ Input latents x [B, C, T, H, W] are cut into (pt, ph, pw) patches, one token per
 major. Each block is pre-norm self-attention + MLP with adaLN-Zero modulation (shift, scale,
 gate for each half) from the timestep embedding; queries and keys get RMSNorm (qk-norm) and
 3-D RoPE by the patch's (frame, row, col). A final adaLN + linear head maps tokens back to
-patches: the output is [B, C_out, T, H, W] (the velocity, ALGORITHMS.md §1.1).
+patches: the output is [B, C_out, T, H, W] (the velocity, docs/algorithms.md, "Notation and conventions").
 
 Text conditioning is joint attention: the caption's hidden states are projected to the hidden
 size and their keys/values sit in front of the video's in every block. Text tokens go through
@@ -441,7 +441,7 @@ class VideoDiT(nn.Module):
         return self.cfg.to_dict()
 
     def enable_two_time(self, gate: float = 0.25) -> None:
-        """Adds E_r = deep copy of E_t (ALGORITHMS.md §6.1), so e(t, t) = E_t(t) right after.
+        """Adds E_r = deep copy of E_t (docs/algorithms.md, "Two-time model"), so e(t, t) = E_t(t) right after.
 
         Call after loading the flow-matching weights. Raises RuntimeError if already two-time,
         ValueError for a gate outside [0, 1].
@@ -780,7 +780,7 @@ class VideoDiT(nn.Module):
     def forward_teacher_forcing(self, noisy: torch.Tensor, clean: torch.Tensor, t: Any, text: torch.Tensor,
                                 text_mask: torch.Tensor | None = None, r: Any = None,
                                 return_clean: bool = False):
-        """Teacher-forcing forward over [clean | noisy] video and the caption (ALGORITHMS.md §5).
+        """Teacher-forcing forward over [clean | noisy] video and the caption (docs/algorithms.md, "Causal teacher forcing").
 
         Noisy chunk i sees its own noisy chunk and clean chunks before i (within the window);
         the clean half runs at t = 0 (and r = 0) with the same RoPE positions as the noisy half.
@@ -1026,7 +1026,7 @@ def compile_transformer_blocks(model: torch.nn.Module) -> torch.nn.Module:
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
-    # ARCHITECTURE.md, known pitfalls: torch 2.11's Inductor computed wrong gradients for
+    # A known pitfall: torch 2.11's Inductor computed wrong gradients for
     # per-block adaLN tables with this reduction fusion on (pytorch#193061). Off for both the
     # warm-up and training, so their cache keys agree.
     if hasattr(inductor_config.triton, "mix_order_reduction"):
