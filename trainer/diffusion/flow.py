@@ -103,15 +103,6 @@ def shift_sigma(u, shift: float):
     return shift * u / (1.0 + (shift - 1.0) * u)
 
 
-def unshift_sigma(sigma, shift: float):
-    """Invert `shift_sigma`: u = sigma / (s - (s - 1)*sigma). Same types as `shift_sigma`.
-
-    Raises ValueError when shift <= 0.
-    """
-    _check_shift(shift)
-    return sigma / (shift - (shift - 1.0) * sigma)
-
-
 def dynamic_shift(
     num_tokens: int,
     base_tokens: int = 256,
@@ -237,14 +228,6 @@ def x0_from_velocity(x_sigma: torch.Tensor, sigma, velocity: torch.Tensor) -> to
     `sigma` broadcasts as in `interpolate`; raises ValueError when it does not fit.
     """
     return x_sigma - _expand_sigma(sigma, x_sigma) * velocity
-
-
-def noise_from_velocity(x_sigma: torch.Tensor, sigma, velocity: torch.Tensor) -> torch.Tensor:
-    """Return the noise estimate n = x_sigma + (1 - sigma) * v (exact on the straight path).
-
-    `sigma` broadcasts as in `interpolate`; raises ValueError when it does not fit.
-    """
-    return x_sigma + (1.0 - _expand_sigma(sigma, x_sigma)) * velocity
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-import time
 from types import FrameType
 from typing import Any, Iterable, Iterator
 
@@ -40,7 +39,6 @@ class PreemptionHandler:
         self._signals = tuple(_resolve_signal(s) for s in signals)
         self._previous: dict[signal.Signals, Any] = {}
         self._signal: signal.Signals | None = None
-        self._received_at: float | None = None
         self._count = 0
 
     @property
@@ -52,11 +50,6 @@ class PreemptionHandler:
     def signal_name(self) -> str | None:
         """Name of the first signal received ("SIGUSR2"), or None."""
         return self._signal.name if self._signal is not None else None
-
-    @property
-    def received_at(self) -> float | None:
-        """`time.monotonic()` when the first signal arrived, or None."""
-        return self._received_at
 
     @property
     def signal_count(self) -> int:
@@ -84,7 +77,6 @@ class PreemptionHandler:
         self._count += 1
         if self._signal is None:
             self._signal = signal.Signals(signum)
-            self._received_at = time.monotonic()
 
     def __enter__(self) -> "PreemptionHandler":
         return self.install()
