@@ -1,10 +1,11 @@
 # shellcheck shell=bash source-path=SCRIPTDIR
 # The body shared by scripts/{pretrain,sft,stage1,stage2}.sh, sourced after their #SBATCH
-# header with RELAY_STAGE_NAME, RELAY_DEFAULT_CONFIG and RELAY_ROOT set:
+# header with RELAY_STAGE_NAME and RELAY_ROOT set:
 #
 #   sbatch scripts/<stage>.sh [config.yaml] [--key value ...]
 #
-# The optional YAML comes first (default: the script's), everything after it goes to train.py.
+# The optional YAML comes first (default: config/$RELAY_STAGE_NAME.yaml), everything after it
+# goes to train.py.
 # What it does:
 #   1. resolves the arguments with `train.py --dry-run` at the job's world size (a bad config
 #      fails here, in seconds, before any rank starts) and reads output_dir from them;
@@ -23,7 +24,7 @@
 set -euo pipefail
 
 cd "$RELAY_ROOT"
-relay_config="$RELAY_DEFAULT_CONFIG"
+relay_config="config/${RELAY_STAGE_NAME}.yaml"
 if [[ $# -gt 0 && "$1" != -* ]]; then
     relay_config="$1"
     shift
