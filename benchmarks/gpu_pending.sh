@@ -1,6 +1,6 @@
 # The GPU checks of the checkpoint and data paths, one part per call (each fits in 10 minutes);
-# results go under $OUT (or ./gpu-pending). Last run on an H200 on 2026-12-02 (session 8):
-# docs/performance.md, "The H200 host again". Run them again after changing those paths.
+# results go under $OUT (or ./gpu-pending). Their figures on an H200:
+# docs/performance.md, "H200 host, 1 GB of state". Run them again after changing those paths.
 #
 #   bash benchmarks/gpu_pending.sh tests        # every GPU test (~4 min): attention kernels,
 #                                               # packed varlen paths, pinned data batches,
