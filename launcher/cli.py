@@ -61,7 +61,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
     from trainer.evaluation.inference import InferenceError, export_checkpoint
 
     try:
-        out = export_checkpoint(ns.path, ns.out, weights=ns.weights)
+        out = export_checkpoint(ns.path, ns.out, weights=ns.weights, overwrite=ns.force)
     except (CheckpointError, InferenceError) as exc:
         print(f"relay export: {exc}", file=sys.stderr)
         return 2
@@ -425,6 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="a checkpoint-N/ directory or an output_dir")
     p.add_argument("--out", required=True, help="model.safetensors path")
     p.add_argument("--weights", choices=("auto", "ema", "live"), default="auto")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing --out file and the model_config.json beside it")
     p.set_defaults(func=cmd_export)
 
     def add_pipeline_args(p: argparse.ArgumentParser) -> None:

@@ -324,6 +324,22 @@ def test_relay_export_writes_weights_and_config_that_rebuild_the_same_model(
         assert torch.equal(exported(x, t, text, mask), trained(x, t, text, mask))
 
 
+def test_relay_export_refuses_existing_files_without_force_and_leaves_no_temporary(
+        tiny_trainer, tmp_path, capsys):
+    checkpoint = tiny_trainer.reference() / "checkpoint-12"
+    out = tmp_path / "model.safetensors"
+    out.write_bytes(b"keep me")
+    code, _, stderr = _relay(capsys, "export", str(checkpoint), "--out", str(out))
+    assert code == 2 and "already exists" in stderr and "--force" in stderr
+    assert "Traceback" not in stderr and out.read_bytes() == b"keep me"
+    code, _, stderr = _relay(capsys, "export", str(checkpoint), "--out", str(out), "--force")
+    assert code == 0, stderr
+    assert out.read_bytes() != b"keep me"
+    code, _, stderr = _relay(capsys, "export", str(checkpoint), "--out", str(tmp_path))
+    assert code == 2 and "is a directory" in stderr and "Traceback" not in stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "model_config.json"]
+
+
 def test_relay_commands_reject_bad_paths_with_exit_2_and_a_message(tmp_path, capsys):
     empty = tmp_path / "empty-run"
     empty.mkdir()

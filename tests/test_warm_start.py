@@ -152,3 +152,45 @@ def test_export_without_a_recorded_config_needs_one_passed(sources, tmp_path):
     export_weights(sources / "run_without_ema", tmp_path / "m.safetensors", weights="live",
                    model_config={"hidden": 8, "layers": 1})
     assert json.loads((tmp_path / "model_config.json").read_text())["layers"] == 1
+
+
+def test_export_onto_an_existing_file_is_refused_unless_overwrite(sources, tmp_path):
+    out = tmp_path / "model.safetensors"
+    out.write_bytes(b"someone's weights")
+    with pytest.raises(CheckpointError, match=r"already exists.*relay export --force"):
+        export_weights(sources / "run", out, weights="ema")
+    assert out.read_bytes() == b"someone's weights"
+    assert not (tmp_path / "model_config.json").exists()
+    export_weights(sources / "run", out, weights="ema", overwrite=True)
+    assert all(torch.all(t == 2.0) for t in load_file(str(out)).values())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "model_config.json"]
+
+
+def test_export_never_replaces_a_config_it_did_not_write(sources, tmp_path):
+    (tmp_path / "model_config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="model_config.json already exists"):
+        export_weights(sources / "run", tmp_path / "model.safetensors", weights="ema")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model_config.json"]
+
+
+def test_export_onto_a_directory_is_refused_and_leaves_no_temporary(sources, tmp_path):
+    target = tmp_path / "weights"
+    target.mkdir()
+    for overwrite in (False, True):
+        with pytest.raises(CheckpointError, match="is a directory.*weights/model.safetensors"):
+            export_weights(sources / "run", target, weights="ema", overwrite=overwrite)
+    assert [p.name for p in tmp_path.iterdir()] == ["weights"] and not any(target.iterdir())
+
+
+def test_a_failed_export_leaves_no_temporary(sources, tmp_path, monkeypatch):
+    import safetensors.torch
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"x" * 1000)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(CheckpointError, match="No space left on device.*nothing partial"):
+        export_weights(sources / "run", tmp_path / "model.safetensors", weights="ema")
+    assert list(tmp_path.iterdir()) == []

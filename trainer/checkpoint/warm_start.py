@@ -113,7 +113,7 @@ def load_warm_start(
 
     `weights` is "ema" or "live" (which member of a training checkpoint; ignored for plain
     files); `member` names another member ("student", "critic") and wins over it.
-    `allow_missing` / `allow_unexpected` are fnmatch patterns ("r_embedder.*") for model keys
+    `allow_missing` / `allow_unexpected` are fnmatch patterns ("head.*") for model keys
     the source may lack (they keep their initialisation) and source keys the model may lack.
     A key whose shape differs is an error unless `allow_missing` matches it (then it is
     skipped like a missing one). With `strict=False`, other missing/unexpected keys are only
@@ -162,7 +162,7 @@ def load_warm_start(
                 f"missing from the source {bad_missing[:20]}{' ...' if len(bad_missing) > 20 else ''}, "
                 f"not in the model {bad_unexpected[:20]}{' ...' if len(bad_unexpected) > 20 else ''}. "
                 "If that is intended, add fnmatch patterns to allow_missing / allow_unexpected "
-                "(e.g. 'r_embedder.*')."
+                "(e.g. 'head.*')."
             )
 
     keys = [key for key in target if key in stored and key not in skipped_mismatch]
@@ -194,17 +194,23 @@ def export_weights(
     weights: str,
     member: str | None = None,
     model_config: dict[str, Any] | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write the weights `path` names (as for `load_warm_start`) to one safetensors file.
 
     Also writes `model_config.json` beside `out_file`: `model_config` if given, else the one
     recorded in the checkpoint's COMPLETE marker, else the run's resolved-config.json (every
-    argument, the model's among them). Both files are written to a temporary name and renamed.
-    Returns `out_file`. Raises CheckpointError when the source is unusable or no model config
-    can be found (pass model_config).
+    argument, the model's among them). Both files are written to a temporary name
+    (`<name>.tmp`) and renamed into place; the temporaries are removed whatever happens.
+    Returns `out_file`. Raises CheckpointError when the source is unusable, no model config
+    can be found (pass model_config), `out_file` or the config beside it is a directory, either
+    already exists and `overwrite` is False, or the files cannot be written.
     """
     from safetensors.torch import save_file
 
+    out_file = Path(out_file)
+    config_file = out_file.parent / MODEL_CONFIG_FILE
+    _check_export_target(out_file, config_file, overwrite)
     source = resolve_weights_source(path, weights=weights, member=member)
     config = model_config if model_config is not None else _recorded_model_config(source)
     if config is None:
@@ -215,17 +221,49 @@ def export_weights(
     state = read_weights(source)
     # safetensors refuses tensors that share memory (tied weights): give each its own copy.
     tensors = {key: value.detach().to("cpu").contiguous().clone() for key, value in state.items()}
-    out_file = Path(out_file)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"source": str(source.path), "member": source.member or "", "weights": weights}
     tmp = out_file.with_name(out_file.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.replace(tmp, out_file)
-    config_file = out_file.parent / MODEL_CONFIG_FILE
     tmp_config = config_file.with_name(config_file.name + ".tmp")
-    tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp_config, config_file)
+    try:
+        out_file.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(tmp), metadata=metadata)
+        tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
+        os.replace(tmp, out_file)
+        os.replace(tmp_config, config_file)
+    except OSError as exc:
+        raise CheckpointError(
+            f"could not write the export {out_file} ({exc.strerror or exc}); nothing partial "
+            f"was left there. Free space or choose another output path.") from None
+    finally:
+        for leftover in (tmp, tmp_config):
+            try:
+                leftover.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                pass  # e.g. a directory of that name: not ours to remove
     return out_file
+
+
+def _check_export_target(out_file: Path, config_file: Path, overwrite: bool) -> None:
+    """Refuse an export onto a directory, or onto existing files unless `overwrite`."""
+    for target in (out_file, config_file):
+        if target.is_dir():
+            raise CheckpointError(
+                f"{target} is a directory, and an export writes one file there: give the path "
+                f"of the file to write, e.g. {out_file / 'model.safetensors'}" if target == out_file
+                else f"{target} is a directory, and an export writes {MODEL_CONFIG_FILE} beside "
+                f"{out_file.name}: choose an output path in another directory.")
+    existing = [str(t) for t in (out_file, config_file) if t.exists() or t.is_symlink()]
+    if existing and not overwrite:
+        raise CheckpointError(
+            f"{' and '.join(existing)} already exist{'s' if len(existing) == 1 else ''}: an "
+            f"export does not replace files unless asked. Choose another output path, or "
+            f"replace {'it' if len(existing) == 1 else 'them'} on purpose with relay export "
+            f"--force (overwrite=True).")
+    if out_file.parent.exists() and not out_file.parent.is_dir():
+        raise CheckpointError(f"{out_file.parent} is a file, not a directory: choose an output "
+                              f"path in a directory.")
 
 
 def _recorded_model_config(source: WeightsSource) -> dict[str, Any] | None:

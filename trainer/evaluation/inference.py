@@ -18,7 +18,8 @@ from torch import nn
 
 from trainer.checkpoint.layout import CheckpointError, list_checkpoints
 from trainer.checkpoint.warm_start import export_weights, load_warm_start
-from trainer.config.schema import ResolvedArgs, model_config
+from trainer.config.schema import ResolvedArgs
+from trainer.models.registry import model_config
 
 
 # The role that `relay sample` / `relay eval` sample from, for stages with several roles.
@@ -195,12 +196,13 @@ def evaluate_checkpoint(checkpoint: str, *, steps: int | None, guidance: float |
     return report
 
 
-def export_checkpoint(path: str, out: str, weights: str = "auto") -> Path:
-    """`relay export`: model.safetensors plus model_config.json beside it."""
+def export_checkpoint(path: str, out: str, weights: str = "auto", overwrite: bool = False) -> Path:
+    """`relay export`: model.safetensors plus model_config.json beside it (existing files are
+    replaced only with `overwrite`)."""
     checkpoint = resolve_checkpoint_dir(path)
     args = _checkpoint_args(checkpoint)
     members = _members(checkpoint)
     if weights == "auto":
         weights = "ema" if "ema" in members else "live"
-    return export_weights(checkpoint, out, weights=weights,
-                               model_config=model_config(args))
+    return export_weights(checkpoint, out, weights=weights, model_config=model_config(args),
+                          overwrite=overwrite)
