@@ -120,3 +120,23 @@ def test_relay_data_encode_takes_a_csv_manifest_and_exits_1_listing_bad_files(mo
     assert code == 1 and "encoded 3" in out and out.count("  bad: ") == 2
     assert main(["data", "encode", str(tmp_path / "nope.csv"), "--vae", str(vae), "--text-encoder",
                  str(text), "--out", str(tmp_path / "x")]) == 2
+
+
+def test_a_text_encoder_directory_without_its_tokenizer_is_named_with_the_missing_files(
+        models, media, tmp_path, capsys):
+    import shutil
+
+    from launcher.cli import main
+
+    vae, text = models
+    bare = tmp_path / "umt5-no-tokenizer"
+    shutil.copytree(text, bare)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (bare / name).unlink(missing_ok=True)
+    code = main(["data", "encode", str(media), "--vae", str(vae), "--text-encoder", str(bare),
+                 "--out", str(tmp_path / "encoded")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"{bare} holds no tokenizer" in err and "tokenizer.json" in err and "spiece.model" in err
+    assert "config.json" in err  # what the directory does hold
+    assert "sentencepiece or tiktoken" not in err and "Traceback" not in err

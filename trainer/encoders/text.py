@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -117,6 +118,34 @@ class StandInTextEncoder:
         return np.where(dims % 2 == 0, np.sin(angles), np.cos(angles)).astype(np.float32)
 
 
+# Each entry is one way a transformers tokenizer can be stored: every file of it must be there.
+TOKENIZER_FILE_SETS = (
+    ("tokenizer.json",),                # a `tokenizers` serialization (fast tokenizers)
+    ("spiece.model",),                  # sentencepiece (T5, UMT5)
+    ("tokenizer.model",),               # sentencepiece (Llama-style)
+    ("sentencepiece.bpe.model",),       # sentencepiece (XLM-R-style)
+    ("vocab.json", "merges.txt"),       # byte-level BPE (GPT-2, Qwen2)
+    ("vocab.txt",),                     # WordPiece (BERT)
+)
+
+
+def missing_tokenizer(directory) -> str | None:
+    """Why `directory` cannot give a tokenizer (one paragraph), or None when it holds one of
+    TOKENIZER_FILE_SETS (or a *.tiktoken file). Checked before transformers is asked, whose own
+    error for a directory without tokenizer files advises installing sentencepiece or tiktoken."""
+    root = Path(directory)
+    names = {p.name for p in root.iterdir()} if root.is_dir() else set()
+    if any(all(f in names for f in files) for files in TOKENIZER_FILE_SETS) or \
+            any(n.endswith(".tiktoken") for n in names):
+        return None
+    wanted = ", ".join(" + ".join(files) for files in TOKENIZER_FILE_SETS)
+    held = ", ".join(sorted(names)[:12]) + (", ..." if len(names) > 12 else "") or "nothing"
+    return (f"the text encoder directory {root} holds no tokenizer: none of {wanted} is there "
+            f"(it holds {held}). Copy the tokenizer files of the same model release into {root} "
+            f"(e.g. tokenizer.json, tokenizer_config.json and special_tokens_map.json, as "
+            f"AutoTokenizer.save_pretrained writes them), or point at a directory that has them.")
+
+
 class TransformersTextEncoder:
     """A transformers text encoder (UMT5, T5, Qwen2-style, ...) with its tokenizer, from a local
     directory (no hub at run time; needs the `encode` extra).
@@ -140,6 +169,9 @@ class TransformersTextEncoder:
             raise ImportError("a text encoder directory needs transformers: pip install "
                               "'relay[encode]'") from error
         self.directory, self.max_tokens, self.skip_layer = str(directory), int(max_tokens), int(skip_layer)
+        missing = missing_tokenizer(self.directory)
+        if missing:
+            raise ValueError(missing)
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.directory, local_files_only=True)
         # The class the checkpoint was saved as (UMT5EncoderModel stays encoder-only); AutoModel
         # when the config does not say.
@@ -197,8 +229,6 @@ def build_text_encoder(name: str = "standin", *, skip_layer: int = 0, device="cp
     """
     if name in _ENCODERS:
         return _ENCODERS[name](**kwargs)
-    from pathlib import Path
-
     if Path(name).is_dir():
         encoder = TransformersTextEncoder(name, max_tokens=kwargs.get("max_tokens", 512),
                                           skip_layer=skip_layer, device=device)
