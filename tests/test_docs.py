@@ -12,7 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # Names of design notes that are not part of the repository, and numbered section references
-# ("§3", "§7.5") into them. Built from pieces so that this file does not match itself.
+# into them (a section sign followed by a number). Built from pieces so that this file does not
+# match itself.
 FOREIGN = re.compile("|".join([re.escape("ALGORITHMS" + ".md"), re.escape("ARCHITECTURE" + ".md"),
                                "\u00a7" + r"\s*\d"]))
 LINK = re.compile(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
