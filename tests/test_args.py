@@ -179,6 +179,31 @@ def test_missing_env_interpolation_is_a_clear_error(tmp_path, monkeypatch):
         resolve(["--config", cfg])
 
 
+def test_env_interpolation_on_the_command_line_resolves_as_in_the_yaml(tmp_path, monkeypatch,
+                                                                       capsys):
+    from launcher.cli import main as relay_main
+
+    monkeypatch.setenv("RELAY_TEST_SCRATCH", str(tmp_path / "scratch"))
+    monkeypatch.delenv("RELAY_SURELY_UNSET", raising=False)
+    cfg = base_yaml(tmp_path)
+
+    def resolve(argv):  # train.py's and relay resolve's parsing of `--key value` tokens
+        return resolve_config(cfg, argv, check_paths=False)
+
+    args = resolve(["--output_dir", "${oc.env:RELAY_TEST_SCRATCH}/run",
+                    "--seed=${oc.env:RELAY_SURELY_UNSET,7}"])
+    assert args.output_dir == str(tmp_path / "scratch" / "run") and args.seed == 7
+    # Unset: refused naming the variable, never a directory called "${oc.env:...}".
+    with pytest.raises(ConfigError, match=r"RELAY_SURELY_UNSET, which is not set"):
+        resolve(["--output_dir", "${oc.env:RELAY_SURELY_UNSET}/run"])
+    assert relay_main(["resolve", cfg, "--output_dir", "${oc.env:RELAY_SURELY_UNSET}"]) == 2
+    captured = capsys.readouterr()
+    assert "RELAY_SURELY_UNSET, which is not set" in captured.err and "Traceback" not in captured.err
+    with pytest.raises(ConfigError, match="references to other keys work in the YAML only"):
+        resolve(["--output_dir", "${training.seed}"])
+    assert not any("${" in p.name for p in tmp_path.rglob("*"))
+
+
 def test_warm_start_path_with_switch_off_is_rejected(tmp_path):
     cfg = base_yaml(tmp_path, f"model:\n  pretrained_transformer_path: {tmp_path}\n"
                               "  load_transformer_weights: false\n")

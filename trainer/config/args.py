@@ -300,8 +300,37 @@ def parse_cli(argv: list[str]) -> tuple[str | None, bool, dict[str, Any]]:
     converted = {}
     for key, text in values.items():
         arg = ARGS[key]
+        text = _interpolate_cli_text(key, text)
         converted[key] = convert_value(arg, _parse_cli_text(arg, text), "command line")
     return config, dry_run, converted
+
+
+def _interpolate_cli_text(key: str, text: str) -> str:
+    """A command-line value with its `${...}` resolved as OmegaConf resolves the YAML's
+    (`${oc.env:VAR}`, `${oc.env:VAR,default}`), so `--output_dir '${oc.env:SCRATCH}/run'` means
+    what it means in a YAML. Raises ConfigError for an unset variable without a default, or an
+    interpolation that names another key (there is no config to look it up in)."""
+    if "${" not in text:
+        return text
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        value = OmegaConf.to_container(OmegaConf.create({"value": text}), resolve=True)["value"]
+    except OmegaConfBaseException as exc:
+        variable = text.split("${oc.env:", 1)[1].split("}", 1)[0].split(",", 1)[0] \
+            if "${oc.env:" in text else None
+        if variable is not None and variable.strip() not in os.environ:
+            raise ConfigError(
+                f"command line: `--{key} {text}` reads the environment variable "
+                f"{variable.strip()}, which is not set. Set it (export {variable.strip()}=...), "
+                f"give it a default (`${{oc.env:{variable.strip()},<default>}}`), or write the "
+                f"value out.") from None
+        raise ConfigError(
+            f"command line: `--{key} {text}` cannot be resolved ({_one_line(exc)}). On the "
+            f"command line `${{...}}` may only read the environment (`${{oc.env:VAR}}`); "
+            f"references to other keys work in the YAML only.") from None
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 # ---------------------------------------------------------------------------------------------
