@@ -126,12 +126,13 @@ def _print_scripts(pipeline, separator: str = "") -> None:
 
 
 def _secrets_refused(pipeline, verb: str) -> bool:
-    """Print why and return True when a job script would hold a credential's value."""
-    from launcher.slurm import SecretValueError, refuse_pipeline_secrets
+    """Print why and return True when a job script would hold a credential's value, or
+    cannot be rendered (no slurm/env.sh)."""
+    from launcher.slurm import SlurmError, refuse_pipeline_secrets
 
     try:
         refuse_pipeline_secrets(pipeline)
-    except SecretValueError as exc:
+    except SlurmError as exc:  # a credential's value (SecretValueError), or no slurm/env.sh
         done = {"submit": "submitted", "render": "rendered"}[verb]
         print(f"relay {verb}: nothing was {done}, because: {exc}", file=sys.stderr)
         return True

@@ -20,7 +20,9 @@ A pipeline YAML (OmegaConf, so `${...}` interpolation works) has four top-level 
 Weights flow through interpolation: a stage names an earlier stage's output_dir, and the trainer
 reads that run's newest complete checkpoint when the job starts. Relative paths (root, config,
 output_dir and every path the stage YAMLs hold) are relative to the directory relay runs in,
-exactly as for train.py; the jobs run there too.
+exactly as for train.py; the jobs run there too. A relative `config/...` YAML (the pipeline's or a
+stage's) that is not there is read from the copy installed with relay (launcher.resources), so
+`relay run config/pipeline/tiny.yaml` works from any directory; relay says so in one line.
 
 Entry point: `validate_pipeline(path, ...) -> Pipeline`; raises PipelineError listing every
 problem found, so nothing is submitted until the whole pipeline is right.
@@ -38,6 +40,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
+
+from launcher.resources import resource_root, shipped_file
 
 from trainer.config.schema import closest_key
 
@@ -500,6 +504,19 @@ def _absolute(path: Any, base: Path) -> str:
     return str((base / os.path.expanduser(str(path))).resolve())
 
 
+def _config_file(path: Any, base: Path, shipped: list[str]) -> str:
+    """A pipeline or stage YAML, absolute: relative to `base` like every path of a pipeline;
+    a relative `config/...` path that is not there is read from the copy relay ships
+    (launcher.resources), and appended to `shipped`."""
+    local = _absolute(path, base)
+    if not Path(local).exists():
+        copy = shipped_file(path)
+        if copy is not None:
+            shipped.append(str(path))
+            return str(copy)
+    return local
+
+
 # ---------------------------------------------------------------------------------------------
 # Validation
 # ---------------------------------------------------------------------------------------------
@@ -525,8 +542,9 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
     from trainer.config.schema import ConfigError
 
     base = Path(cwd).resolve() if cwd else Path.cwd()
-    path = Path(path)
-    data = load_pipeline_yaml(path if path.is_absolute() else base / path, root=root)
+    shipped: list[str] = []  # relative config/... paths read from relay's own copy
+    path = Path(_config_file(path, base, shipped))
+    data = load_pipeline_yaml(path, root=root)
     names = [str(n) for n in data["stages"]]
     selected = select_stages(names, from_stage=from_stage, only=only)
     problems: list[str] = []
@@ -570,7 +588,7 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
         if not isinstance(config, str) or not config:
             problems.append(f"{where}: `config:` (the stage's train YAML) is missing.")
             continue
-        config_path = _absolute(config, base)
+        config_path = _config_file(config, base, shipped)
         if not Path(config_path).is_file():
             problems.append(f"{where}: config {config_path} does not exist. Relative paths are "
                             f"relative to the directory relay runs in ({base}).")
@@ -607,6 +625,9 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
             depends_on=(previous,) if previous else (), plan=plan))
         previous = name
 
+    if shipped:
+        print(f"relay: {', '.join(shipped)}: not under {base}, so read from the copy installed "
+              f"with relay ({resource_root() / 'config'})", file=sys.stderr)
     if check_paths:
         invalid = [n for n in selected if n not in {s.name for s in specs}]
         for spec in specs:
@@ -619,8 +640,7 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
                              problems)
     if problems:
         raise PipelineError(problems)
-    return Pipeline(path=str(path.resolve() if path.is_absolute() else (base / path).resolve()),
-                    name=data["name"], root=root_dir, workdir=str(base),
+    return Pipeline(path=str(path), name=data["name"], root=root_dir, workdir=str(base),
                     stages=specs, output_dirs=output_dirs, notes=notes, warmup=warmup)
 
 

@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from launcher.pipeline import Pipeline, StageSpec, WarmupSpec
+from launcher.resources import ResourceError, resource_root
 from launcher.secret_values import (argv_fields, fields_holding_secrets, resource_fields,
                                     secret_values)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 SBATCH_FILE = "relay-job.sbatch"  # the rendered script, kept in each stage's output_dir
 SLURM_DIR = "slurm"  # submitit's folder inside each output_dir: logs, pickles, submission files
 ACTIVE_STATES = frozenset({"PENDING", "RUNNING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
@@ -73,8 +73,9 @@ def slurm_signal(stage: StageSpec) -> str:
     return f"{name}@{stage.resources.signal_lead_s}"
 
 
-def render_setup(stage: StageSpec, *, repo_root: str | Path = REPO_ROOT) -> list[str]:
-    """The shell lines the batch script runs before `srun`: exports, then slurm/env.sh.
+def render_setup(stage: StageSpec, *, repo_root: str | Path | None = None) -> list[str]:
+    """The shell lines the batch script runs before `srun`: exports, then slurm/env.sh
+    (`repo_root`/slurm/env.sh; by default this checkout's, or the copy installed with relay).
 
     Every value is shlex-quoted. Secrets never appear here: they reach the job through the
     environment sbatch inherits from `relay submit`.
@@ -88,7 +89,15 @@ def render_setup(stage: StageSpec, *, repo_root: str | Path = REPO_ROOT) -> list
                         exports, repo_root)
 
 
-def _setup_lines(comments: list[str], exports: dict[str, str], repo_root: str | Path) -> list[str]:
+def _setup_lines(comments: list[str], exports: dict[str, str],
+                 repo_root: str | Path | None) -> list[str]:
+    """`repo_root`: where slurm/env.sh is; None: this checkout's, else the one installed with
+    relay (launcher.resources). Raises SlurmError when there is none."""
+    if repo_root is None:
+        try:
+            repo_root = resource_root()
+        except ResourceError as exc:
+            raise SlurmError(str(exc)) from None
     lines = list(comments)
     lines += [f"export {name}={shlex.quote(value)}" for name, value in exports.items()]
     env_sh = shlex.quote(str(Path(repo_root) / "slurm" / "env.sh"))
@@ -97,7 +106,7 @@ def _setup_lines(comments: list[str], exports: dict[str, str], repo_root: str | 
 
 
 def executor_parameters(stage: StageSpec, *, dependency: str | None = None,
-                        repo_root: str | Path = REPO_ROOT) -> dict[str, Any]:
+                        repo_root: str | Path | None = None) -> dict[str, Any]:
     """submitit SlurmExecutor parameters for a stage (keys of submitit's sbatch renderer).
 
     `dependency` is the job id (or a placeholder) of the stage this one waits for. Raises
@@ -148,7 +157,7 @@ def submitit_command(python: str, folder: str | Path) -> str:
 
 
 def render_sbatch(stage: StageSpec, *, dependency: str | None = None,
-                  repo_root: str | Path = REPO_ROOT) -> str:
+                  repo_root: str | Path | None = None) -> str:
     """The sbatch script submitit submits for `stage`, as text (no Slurm needed).
 
     Raises ValueError when submitit rejects a parameter.
@@ -170,7 +179,7 @@ def warmup_folder(warmup: WarmupSpec) -> Path:
     return Path(warmup.directory) / SLURM_DIR
 
 
-def render_warmup_setup(warmup: WarmupSpec, *, repo_root: str | Path = REPO_ROOT) -> list[str]:
+def render_warmup_setup(warmup: WarmupSpec, *, repo_root: str | Path | None = None) -> list[str]:
     """The warm-up job's lines before `srun`: the commands it runs (as comments), the cluster's
     exports, then slurm/env.sh, so the kernel caches are the ones every stage uses.
 
@@ -184,7 +193,7 @@ def render_warmup_setup(warmup: WarmupSpec, *, repo_root: str | Path = REPO_ROOT
 
 
 def warmup_executor_parameters(warmup: WarmupSpec, *,
-                               repo_root: str | Path = REPO_ROOT) -> dict[str, Any]:
+                               repo_root: str | Path | None = None) -> dict[str, Any]:
     """submitit SlurmExecutor parameters of the warm-up job: the first of the chain, so it
     depends on nothing. Requeued like a stage when preempted (warming up twice is harmless).
     Raises SecretValueError when a field holds a credential's value."""
@@ -196,7 +205,7 @@ def warmup_executor_parameters(warmup: WarmupSpec, *,
                        setup=render_warmup_setup(warmup, repo_root=repo_root), dependency=None)
 
 
-def render_warmup_sbatch(warmup: WarmupSpec, *, repo_root: str | Path = REPO_ROOT) -> str:
+def render_warmup_sbatch(warmup: WarmupSpec, *, repo_root: str | Path | None = None) -> str:
     """The sbatch script submitit submits for the warm-up job, as text (no Slurm needed)."""
     from submitit.slurm.slurm import _make_sbatch_string
 
@@ -252,7 +261,7 @@ def _submit_job(job, *, folder: Path, python: str, max_requeues: int, parameters
 
 
 def submit_stage(stage: StageSpec, *, dependency: str | None, workdir: str | Path,
-                 repo_root: str | Path = REPO_ROOT) -> SubmittedStage:
+                 repo_root: str | Path | None = None) -> SubmittedStage:
     """Submit one stage through submitit; keep its rendered script as <output_dir>/relay-job.sbatch.
 
     Raises SlurmError with sbatch's answer when the submission is refused.
@@ -274,7 +283,7 @@ def submit_stage(stage: StageSpec, *, dependency: str | None, workdir: str | Pat
 
 
 def submit_warmup(warmup: WarmupSpec, *, workdir: str | Path,
-                  repo_root: str | Path = REPO_ROOT) -> SubmittedStage:
+                  repo_root: str | Path | None = None) -> SubmittedStage:
     """Submit the warm-up job; keep its script as <root>/warmup/relay-job.sbatch.
 
     Raises SlurmError with sbatch's answer when the submission is refused.
@@ -291,7 +300,7 @@ def submit_warmup(warmup: WarmupSpec, *, workdir: str | Path,
                           warmup=True)
 
 
-def submit_pipeline(pipeline: Pipeline, *, repo_root: str | Path = REPO_ROOT,
+def submit_pipeline(pipeline: Pipeline, *, repo_root: str | Path | None = None,
                     on_submit=None) -> list[SubmittedStage]:
     """Submit the pipeline's stages in order, each after the previous one (afterok).
 

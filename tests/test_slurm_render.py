@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from launcher.pipeline import validate_pipeline
-from launcher.slurm import (REPO_ROOT, executor_parameters, render_sbatch, render_warmup_sbatch,
+from launcher.slurm import (executor_parameters, render_sbatch, render_warmup_sbatch,
                             warmup_executor_parameters)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +26,7 @@ FAKE_PYTHON = "/opt/relay/.venv/bin/python"
 
 
 def check_golden(name: str, text: str) -> None:
-    text = text.replace(str(REPO_ROOT), FAKE_REPO)
+    text = text.replace(str(ROOT), FAKE_REPO)
     path = GOLDEN / name
     if os.environ.get("RELAY_UPDATE_GOLDEN") == "1":
         path.parent.mkdir(exist_ok=True)

@@ -552,9 +552,14 @@ def launch_manifest(topo) -> dict:
 
 
 def _git_commit() -> str | None:
+    """The commit of the checkout this code runs from; None for an installed wheel (whose
+    site-packages may sit inside some other repository, e.g. a .venv in a checkout)."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return None
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip() or None
+                              cwd=root, timeout=5).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
 
