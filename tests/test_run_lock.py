@@ -11,10 +11,12 @@ import errno
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -159,9 +161,86 @@ def test_without_file_locks_a_holder_on_another_host_without_a_job_is_refused(tm
                                                                                monkeypatch):
     _no_file_locks(monkeypatch)
     _write_record(tmp_path, host="node-elsewhere", pid=1234, slurm_job_id=None)
-    with pytest.raises(RunLockError, match="pid 1234 on host node-elsewhere.*nothing can tell"):
+    with pytest.raises(RunLockError, match="pid 1234 on host node-elsewhere.*refreshed 0 s ago"):
         acquire_run_lock(tmp_path)
     assert json.loads((tmp_path / LOCK_FILE).read_text())["host"] == "node-elsewhere"
+
+
+# ---- Holders on other hosts: the record's age decides when Slurm cannot ------------------------
+
+def test_a_fresh_record_of_another_host_is_refused_even_when_the_kernel_lock_is_free(tmp_path):
+    # Written seconds ago, no Slurm job: the kernel lock is free (node-local locks), but the
+    # holder may well be running there.
+    written = time.time() - 5
+    _write_record(tmp_path, host="node-elsewhere", pid=1234, slurm_job_id=None,
+                  refreshed_at=int(written))
+    os.utime(tmp_path / LOCK_FILE, (written, written))
+    with pytest.raises(RunLockError) as refused:
+        acquire_run_lock(tmp_path, refresh_interval=None)
+    message = str(refused.value)
+    assert "pid 1234 on host node-elsewhere" in message
+    assert re.search(r"refreshed [5-9] s ago", message), message
+    assert f"every {int(run_lock.REFRESH_INTERVAL_S)} s" in message
+    assert f"{int(run_lock.STALE_AFTER_S) // 60} min without a refresh" in message
+    assert "\n" not in message
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["host"] == "node-elsewhere"
+
+
+def test_a_record_of_another_host_not_refreshed_for_longer_than_the_limit_is_taken_over(
+        tmp_path, caplog):
+    hour_ago = time.time() - 3600
+    _write_record(tmp_path, host="node-elsewhere", pid=1234, slurm_job_id=None,
+                  refreshed_at=int(hour_ago))
+    os.utime(tmp_path / LOCK_FILE, (hour_ago, hour_ago))
+    with caplog.at_level(logging.WARNING):
+        lock = acquire_run_lock(tmp_path, refresh_interval=None)
+    assert "pid 1234 on host node-elsewhere" in caplog.text
+    assert "was last refreshed 1 h ago, longer than the 5 min" in caplog.text
+    assert "taking over" in caplog.text
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+
+
+def test_a_record_of_an_older_relay_is_judged_by_the_file_time(tmp_path, monkeypatch):
+    _no_file_locks(monkeypatch)
+    _write_record(tmp_path, host="node-elsewhere", pid=1234, slurm_job_id=None)
+    record = json.loads((tmp_path / LOCK_FILE).read_text())
+    record.pop("refreshed_at")
+    (tmp_path / LOCK_FILE).write_text(json.dumps(record))
+    with pytest.raises(RunLockError, match="refreshed 0 s ago"):
+        acquire_run_lock(tmp_path, refresh_interval=None)
+    old = time.time() - 2 * run_lock.STALE_AFTER_S
+    os.utime(tmp_path / LOCK_FILE, (old, old))
+    acquire_run_lock(tmp_path, refresh_interval=None).release()
+
+
+def test_the_holder_refreshes_its_record_while_it_runs(tmp_path, caplog):
+    lock = acquire_run_lock(tmp_path, refresh_interval=0.05)
+    path = tmp_path / LOCK_FILE
+    first = json.loads(path.read_text())
+    old = time.time() - 1000
+    os.utime(path, (old, old))
+    deadline = time.monotonic() + 10
+    while path.stat().st_mtime < old + 500 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert path.stat().st_mtime > old + 500, "the record was not refreshed"
+    again = json.loads(path.read_text())  # a refresh rewrites whole, parseable records
+    assert again["refreshed_at"] >= first["refreshed_at"] and again["pid"] == os.getpid()
+    assert len(path.read_bytes()) % 512 == 0
+    lock.release()
+    assert path.read_text() == ""
+    time.sleep(0.2)
+    assert path.read_text() == ""  # the refresher stopped with the release
+
+
+def test_a_holder_whose_record_was_taken_over_stops_refreshing_it(tmp_path, caplog):
+    lock = acquire_run_lock(tmp_path, refresh_interval=None)
+    _write_record(tmp_path, host="node-elsewhere", pid=99, slurm_job_id=None)
+    with caplog.at_level(logging.ERROR):
+        assert lock.refresh() is False
+    assert "now names pid 99 on host node-elsewhere" in caplog.text
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == 99
+    lock.release()
 
 
 def test_an_unwritable_output_dir_is_one_clear_error(tmp_path):

@@ -15,6 +15,10 @@ message that a second run gets, and for the cases the kernel lock cannot settle:
 - a record of another host whose Slurm job is still active while the kernel lock was free:
   the filesystem's locks are local to each node (NFS `nolock`, Lustre `localflock`), so the
   record wins and the run refuses.
+- a record of another host that Slurm cannot vouch for (no job id, or no squeue): the holder
+  refreshes its record every REFRESH_INTERVAL_S while it runs (a background thread), so the
+  record counts until it has gone STALE_AFTER_S without a refresh; only then is it taken over,
+  and the message says how old it is.
 - a requeued job (same SLURM_JOB_ID, higher SLURM_RESTART_COUNT) may take over from its own
   earlier run even while a lock manager still holds that run's lock (its node went away).
 
@@ -31,8 +35,9 @@ import logging
 import os
 import socket
 import subprocess
+import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 log = logging.getLogger("trainer.runtime.lock")
@@ -43,6 +48,12 @@ _ACTIVE_STATES = frozenset({"PENDING", "RUNNING", "REQUEUED", "REQUEUE_FED", "RE
                             "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING", "SIGNALING",
                             "STAGE_OUT", "RESV_DEL_HOLD"})
 _HELD = (errno.EAGAIN, errno.EACCES)  # lockf's answers for "another process holds it"
+# A running holder rewrites its record this often; a record of another host that Slurm cannot
+# vouch for is taken over only once it has gone STALE_AFTER_S without a rewrite (ten missed
+# refreshes: a loaded metadata server or a long pause of the process is not a dead run).
+REFRESH_INTERVAL_S = 30.0
+STALE_AFTER_S = 300.0
+_RECORD_BLOCK = 512  # records are padded to whole blocks, so a refresh rewrites the same bytes
 
 
 class RunLockError(Exception):
@@ -59,6 +70,9 @@ class Holder:
     slurm_restart_count: int
     started_at: str
     process_start: str | None = None  # /proc/<pid>/stat start time: tells a reused pid apart
+    # time.time() (whole seconds) of the holder's last rewrite of the record; not part of who
+    # the holder is.
+    refreshed_at: float | None = field(default=None, compare=False)
 
     def describe(self) -> str:
         job = f", Slurm job {self.slurm_job_id}" if self.slurm_job_id else ""
@@ -80,17 +94,56 @@ def current_holder() -> Holder:
 
 
 class RunLock:
-    """The lock of one output_dir, held by this process until `release()`."""
+    """The lock of one output_dir, held by this process until `release()`.
 
-    def __init__(self, path: Path, fd: int, holder: Holder, kernel_lock: bool) -> None:
+    While held, a daemon thread rewrites the record's `refreshed_at` every `refresh_interval`
+    seconds (None: never), so a run on another host can tell a live holder from a dead one.
+    """
+
+    def __init__(self, path: Path, fd: int, holder: Holder, kernel_lock: bool,
+                 refresh_interval: float | None = None) -> None:
         self.path = path
         self.holder = holder
         self.kernel_lock = kernel_lock  # False: only the record protects the output_dir
         self._fd: int | None = fd
+        self._stop = threading.Event()
+        self._guard = threading.Lock()  # a refresh never races release() for the fd
+        self._refresher: threading.Thread | None = None
+        if refresh_interval:
+            self._refresher = threading.Thread(target=self._refresh_every, args=(refresh_interval,),
+                                               name="relay-lock-refresh", daemon=True)
+            self._refresher.start()
+
+    def refresh(self) -> bool:
+        """Rewrite the record with the time now. Returns False (and stops refreshing) once the
+        record names another holder: a run elsewhere judged this one dead and took over."""
+        with self._guard:
+            if self._fd is None:
+                return False
+            try:
+                found = _read_holder(self._fd)
+                if found != self.holder:
+                    log.error("%s now names %s: another run judged this one gone and took the "
+                              "output_dir over; this run no longer refreshes the lock record",
+                              self.path, found.describe() if found else "no holder")
+                    return False
+                _write_holder(self._fd, self.holder, truncate=False)
+            except OSError as exc:
+                log.warning("could not refresh the lock record %s (%s); will retry", self.path, exc)
+            return True
+
+    def _refresh_every(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            if not self.refresh():
+                return
 
     def release(self) -> None:
         """Empty the record and drop the lock. Safe to call twice; never raises."""
-        fd, self._fd = self._fd, None
+        self._stop.set()
+        if self._refresher is not None and self._refresher is not threading.current_thread():
+            self._refresher.join(timeout=30)
+        with self._guard:
+            fd, self._fd = self._fd, None
         if fd is None:
             return
         try:
@@ -104,8 +157,10 @@ class RunLock:
             os.close(fd)  # closing drops the POSIX lock
 
 
-def acquire_run_lock(output_dir: str | os.PathLike) -> RunLock:
-    """Lock `output_dir` (which must exist) for this process; return the held lock.
+def acquire_run_lock(output_dir: str | os.PathLike, *,
+                     refresh_interval: float | None = REFRESH_INTERVAL_S) -> RunLock:
+    """Lock `output_dir` (which must exist) for this process; return the held lock, whose
+    record is refreshed every `refresh_interval` seconds until it is released.
 
     Raises RunLockError, with a message naming the holder, when another run holds it or may
     hold it. A stale record (its run died without releasing) is reported and taken over.
@@ -123,7 +178,7 @@ def acquire_run_lock(output_dir: str | os.PathLike) -> RunLock:
     except BaseException:
         os.close(fd)
         raise
-    return RunLock(path, fd, me, kernel_lock)
+    return RunLock(path, fd, me, kernel_lock, refresh_interval)
 
 
 def _lock_or_judge(path: Path, fd: int, me: Holder) -> bool:
@@ -145,16 +200,19 @@ def _lock_or_judge(path: Path, fd: int, me: Holder) -> bool:
         log.warning("%s: this filesystem does not support file locks (%s); relying on the "
                     "recorded holder alone, which cannot catch two runs started at the same "
                     "moment", path, exc.strerror or exc)
-        _judge_record(path, previous, me, kernel_free=False)
+        _judge_record(path, previous, me, kernel_free=False, age=_record_age(fd, previous))
         return False
-    _judge_record(path, _read_holder(fd), me, kernel_free=True)
+    previous = _read_holder(fd)
+    _judge_record(path, previous, me, kernel_free=True, age=_record_age(fd, previous))
     return True
 
 
-def _judge_record(path: Path, previous: Holder | None, me: Holder, *, kernel_free: bool) -> None:
+def _judge_record(path: Path, previous: Holder | None, me: Holder, *, kernel_free: bool,
+                  age: float | None = None) -> None:
     """Refuse (RunLockError) or report a stale record, from what the record says.
 
     `kernel_free`: the kernel lock was granted, so a holder on this host is certainly gone.
+    `age`: seconds since the record was last written (None: unknown, counted as fresh).
     """
     if previous is None or previous == me:
         return
@@ -178,12 +236,42 @@ def _judge_record(path: Path, previous: Holder | None, me: Holder, *, kernel_fre
                   "its locks are not shared between nodes") if kernel_free else \
                  f"Slurm says its job is {state}"
         raise RunLockError(_in_use(path, previous, reason))
-    if kernel_free:
-        log.warning("%s: lock record of %s on another host, which no longer holds the lock: "
-                    "taking over", path, previous.describe())
+    # Nothing but the record can tell: a live holder refreshes it every REFRESH_INTERVAL_S.
+    if age is not None and age > STALE_AFTER_S:
+        log.warning("%s: lock record of %s on another host was last refreshed %s ago, longer "
+                    "than the %s after which a holder that stopped refreshing counts as gone: "
+                    "taking over", path, previous.describe(), _duration(age),
+                    _duration(STALE_AFTER_S))
         return
-    raise RunLockError(_in_use(path, previous, "this filesystem has no file locks and nothing "
-                                               "can tell whether that run is still going"))
+    when = "at an unknown time" if age is None else f"{_duration(age)} ago"
+    raise RunLockError(_in_use(
+        path, previous,
+        f"its record was refreshed {when}, and a running holder refreshes it every "
+        f"{_duration(REFRESH_INTERVAL_S)}; it is taken over only once it has gone "
+        f"{_duration(STALE_AFTER_S)} without a refresh"
+        + (f" (in about {_duration(STALE_AFTER_S - age)}, if that run is dead)"
+           if age is not None else "")))
+
+
+def _record_age(fd: int, holder: Holder | None) -> float | None:
+    """Seconds since the record was last written: from its own `refreshed_at` and the file's
+    modification time, whichever is later (a record of an older relay has only the latter).
+    Never negative (clocks of two hosts differ); None when neither can be read."""
+    times = [holder.refreshed_at] if holder is not None and holder.refreshed_at else []
+    try:
+        times.append(os.fstat(fd).st_mtime)
+    except OSError:
+        pass
+    return max(0.0, time.time() - max(times)) if times else None
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 120:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min" + (f" {seconds % 60} s" if seconds % 60 else "")
+    return f"{seconds // 3600} h" + (f" {seconds % 3600 // 60} min" if seconds % 3600 >= 60 else "")
 
 
 def _is_requeue_of(previous: Holder, me: Holder) -> bool:
@@ -205,16 +293,25 @@ def _read_holder(fd: int) -> Holder | None:
     """The record in the lock file, or None if it is empty or unreadable."""
     try:
         data = os.pread(fd, 65536, 0)
-        fields = json.loads(data) if data.strip() else None
-        return Holder(**fields) if isinstance(fields, dict) else None
+        record = json.loads(data) if data.strip() else None
+        if not isinstance(record, dict):
+            return None
+        known = {f.name for f in fields(Holder)}  # a newer relay's extra fields are ignored
+        return Holder(**{k: v for k, v in record.items() if k in known})
     except (OSError, ValueError, TypeError):
         return None
 
 
-def _write_holder(fd: int, holder: Holder) -> None:
-    # In place, not by rename: the lock belongs to this file.
-    data = json.dumps(asdict(holder), sort_keys=True).encode() + b"\n"
-    os.ftruncate(fd, 0)
+def _write_holder(fd: int, holder: Holder, *, truncate: bool = True) -> None:
+    """Write `holder` with refreshed_at = now. In place, not by rename: the lock belongs to
+    this file. The record is padded to whole _RECORD_BLOCKs, so a refresh (truncate=False)
+    overwrites the same bytes and a reader never sees it half-written or empty."""
+    record = {**asdict(holder), "refreshed_at": int(time.time())}  # ten digits: a fixed length
+    data = json.dumps(record, sort_keys=True).encode()
+    size = -(-(len(data) + 1) // _RECORD_BLOCK) * _RECORD_BLOCK
+    data = data.ljust(size - 1) + b"\n"
+    if truncate:
+        os.ftruncate(fd, 0)
     os.pwrite(fd, data, 0)
     os.fsync(fd)
 
