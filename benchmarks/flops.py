@@ -1,4 +1,4 @@
-"""Counted FLOPs of one training step, for MFU: relay's VideoDiT and diffusers' Wan transformer.
+"""Counted FLOPs of one training step, for MFU: any relay model family, and diffusers' Wan transformer.
 
 Only matrix products count (linear layers, the patch embedding, the two products of each
 attention); norms, activations and the optimizer are left out, as is usual for MFU. A
@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-TIME_FREQ_DIM = 256  # relay's sinusoidal timestep width (trainer.models.dit.module.TIME_FREQ_DIM)
 
 
 def _linear(tokens: int, fan_in: int, fan_out: int) -> int:
@@ -24,30 +23,13 @@ def _attention(queries: int, keys: int, width: int) -> int:
     return 2 * 2 * queries * keys * width
 
 
-def relay_forward_flops(config: dict[str, Any], video_tokens: int, text_tokens: int) -> int:
-    """Forward FLOPs of VideoDiT (model config dict) on one sample, bidirectional.
+def model_forward_flops(family: str, config: dict[str, Any], video_tokens: int,
+                        text_tokens: int) -> int:
+    """Forward FLOPs of one sample of relay's model family `family` with model config `config`,
+    as the family counts them (trainer.models.family.ModelFamily.forward_flops)."""
+    from trainer.models.registry import get_family
 
-    Every block runs the caption stream (text over text) and the video stream (video over
-    [video | text]); the last block computes only the caption's K/V, which is all the video
-    needs from it.
-    """
-    d = config["hidden_size"]
-    hidden = int(d * config["mlp_ratio"])
-    patch = math.prod(config["patch_size"])
-    out_channels = config.get("out_channels") or config["in_channels"]
-    n, length = video_tokens, text_tokens
-
-    def stream(tokens: int, keys: int) -> int:
-        return (_linear(tokens, d, 3 * d) + _attention(tokens, keys, d) + _linear(tokens, d, d)
-                + _linear(tokens, d, hidden) + _linear(tokens, hidden, d))
-
-    per_block = stream(n, n + length) + _linear(1, d, 6 * d) + stream(length, length)
-    last_block_text_saving = stream(length, length) - _linear(length, d, 3 * d)
-    embed = (_linear(n, config["in_channels"] * patch, d)
-             + _linear(length, config["text_dim"], d) + _linear(length, d, d)
-             + _linear(1, TIME_FREQ_DIM, d) + _linear(1, d, d) + _linear(1, d, 2 * d)
-             + _linear(n, d, out_channels * patch))
-    return config["num_layers"] * per_block - last_block_text_saving + embed
+    return int(get_family(family).forward_flops(config, video_tokens, text_tokens))
 
 
 def wan_forward_flops(config: dict[str, Any], video_tokens: int, text_tokens: int) -> int:

@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python benchmarks/quality.py`: make the repository importable
     sys.path.insert(0, str(REPO))
 
-from benchmarks.flops import relay_forward_flops  # noqa: E402
+from benchmarks.flops import model_forward_flops  # noqa: E402
 
 TEACHER_STEPS = (1, 2, 4, 8, 50)
 STUDENT_STEPS = (1, 2, 4)
@@ -57,14 +57,14 @@ def stage_work(args) -> dict:
     step the student also rolls out, replays its exit chunk with grad over twice the tokens
     (3), and scores with the teacher's CFG pair (2) and the critic (1).
     """
-    from trainer.config.schema import model_config
+    from trainer.models.registry import model_config
 
     cfg = model_config(args)
     pt, ph, pw = cfg["patch_size"]
     tokens = (args.synthetic_num_frames // pt) * (args.synthetic_height // ph) * (
         args.synthetic_width // pw)
-    one = relay_forward_flops(cfg, tokens, args.text_max_tokens)
-    double = relay_forward_flops(cfg, 2 * tokens, args.text_max_tokens)
+    one = model_forward_flops("dit", cfg, tokens, args.text_max_tokens)
+    double = model_forward_flops("dit", cfg, 2 * tokens, args.text_max_tokens)
     if args.stage == "fm":
         flops, passes = 3 * one, 3
     elif args.stage == "tf_anyflow":

@@ -55,7 +55,7 @@ configure_cuda_allocator()
 
 import torch  # noqa: E402
 
-from benchmarks.flops import relay_forward_flops, train_flops, wan_forward_flops  # noqa: E402
+from benchmarks.flops import model_forward_flops, train_flops, wan_forward_flops  # noqa: E402
 
 DATASHEET_TFLOPS = 989.0
 SIZES = {
@@ -145,7 +145,7 @@ def build_relay(size: dict, mode: str, checkpointing: str, attention: str, devic
     """(step function, parameter count, model config) of relay's FlowMatchingStage."""
     from trainer.build import build_ema, build_optimization, build_text_encoder, prepare_for_training
     from trainer.models.dit.module import VideoDiT
-    from trainer.config.schema import model_config
+    from trainer.models.registry import model_config
     from trainer.stages.fm import FlowMatchingStage
 
     args = relay_args(size, mode, checkpointing, attention, workdir)
@@ -339,7 +339,7 @@ def run_one(spec: str, size_name: str, args, device, ceiling_tflops: float | Non
             if model_name == "relay":
                 step, params, config = build_relay(size, mode, checkpointing, args.attention, device,
                                                    workdir)
-                forward = relay_forward_flops(config, video_tokens(size), size["text"])
+                forward = model_forward_flops("dit", config, video_tokens(size), size["text"])
             else:
                 step, params, config = build_wan(size, mode, checkpointing, device)
                 forward = wan_forward_flops(config, video_tokens(size), size["text"])

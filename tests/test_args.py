@@ -234,7 +234,7 @@ def test_heads_not_divisible_by_cp_size_is_rejected(tmp_path):
     cfg = base_yaml(tmp_path, "model:\n  transformer_config_overrides:\n"
                               "    num_attention_heads: 6\n    hidden_size: 48\n"
                               "    rope_axes_dim: [4, 2, 2]\ndistributed:\n  cp_size: 4\n")
-    with pytest.raises(ConfigError, match=r"num_attention_heads \(6\).*cp_size \(4\)"):
+    with pytest.raises(ConfigError, match=r"attention heads \(6\).*cp_size \(4\)"):
         resolve(["--config", cfg])
 
 

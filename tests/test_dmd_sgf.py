@@ -18,6 +18,7 @@ from trainer.diffusion import flow
 from trainer.config.args import resolve_config
 from trainer.config.schema import ConfigError
 from trainer.optim.ema import EMA
+from trainer.models.dit.family import DiTFamily
 from trainer.models.dit.module import VideoDiT
 from trainer.stages import dmd_sgf as D
 from trainer.stages import rollout as R
@@ -394,14 +395,14 @@ def stage_args(**overrides):
 
 
 def make_stage(**overrides):
-    from trainer.config.schema import model_config
+    from trainer.models.registry import model_config
     from trainer.optim.optimizers import build_lr_scheduler, build_optimizer
     from trainer.encoders.text import build_text_encoder
 
     args = stage_args(**overrides)
     torch.manual_seed(0)
     student = VideoDiT(**model_config(args))
-    teacher = VideoDiT(**D.teacher_model_config(model_config(args))).eval().requires_grad_(False)
+    teacher = VideoDiT(**DiTFamily().bidirectional_config(model_config(args))).eval().requires_grad_(False)
     critic = copy.deepcopy(teacher).requires_grad_(True).train()
     opts = {"student": build_optimizer(student, learning_rate=1e-3),
             "critic": build_optimizer(critic, learning_rate=1e-3, betas=(0.0, 0.999))}
@@ -501,8 +502,8 @@ def test_config_errors_name_the_keys_to_fix():
 
 
 def test_teacher_config_is_the_student_config_made_bidirectional():
-    config = D.teacher_model_config({"hidden_size": 8, "causal_chunk_size": 2,
-                                     "attn_window_chunks": 1, "two_time": True})
+    config = DiTFamily().bidirectional_config({"hidden_size": 8, "causal_chunk_size": 2,
+                                               "attn_window_chunks": 1, "two_time": True})
     assert config == {"hidden_size": 8, "causal_chunk_size": None, "attn_window_chunks": None,
                       "two_time": False}
 

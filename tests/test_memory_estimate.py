@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from trainer.config.args import resolve_config
-from trainer.parallel.memory_estimate import estimate_memory, model_parameters
+from trainer.models.dit.family import DiTFamily
+from trainer.parallel.memory_estimate import estimate_memory
 from trainer.preflight import describe_plan
 from trainer.config.schema import ConfigError
 from trainer.parallel.topology import plan_mesh
@@ -28,12 +29,14 @@ PRODUCTION = str(REPO / "config" / "pretrain.yaml")
     {"two_time": True, "causal_chunk_size": 2, "out_channels": 6, "text_dim": 48},
 ])
 def test_parameter_count_is_the_real_models(overrides):
-    from trainer.models.dit.module import VideoDiT
-    from trainer.models.dit.config import MODEL_CONFIG_DEFAULTS
-
-    cfg = {**MODEL_CONFIG_DEFAULTS, **overrides}
-    model = VideoDiT(**cfg)
-    assert model_parameters(cfg) == sum(p.numel() for p in model.parameters())
+    family = DiTFamily()
+    cfg = family.config(overrides)
+    model = family.build(cfg)
+    counts = family.param_counts(cfg)
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    assert counts.per_block == sum(p.numel() for p in model.blocks[0].parameters())
+    assert counts.second_time == sum(p.numel() for n, p in model.named_parameters()
+                                     if n.startswith("r_embedder."))
 
 
 def _pythonpath() -> str:
@@ -63,20 +66,20 @@ def test_bad_splits_are_refused_with_the_arithmetic(world, kwargs, says):
 
 def test_sharding_divides_the_states_and_cp_the_activations_of_video_and_caption():
     cfg = resolve_config(PRODUCTION, {}, check_paths=False)
-    from trainer.config.schema import model_config
+    from trainer.models.registry import model_config
 
     common = dict(stage="fm", use_muon=False, use_ema=False, batch_per_rank=1,
                   video_tokens=75600, text_tokens=512, checkpointing=True)
-    one = estimate_memory(model_config(cfg), shard_group=1, cp=1, **common)
-    eight = estimate_memory(model_config(cfg), shard_group=8, cp=2, **common)
+    one = estimate_memory(DiTFamily(), model_config(cfg), shard_group=1, cp=1, **common)
+    eight = estimate_memory(DiTFamily(), model_config(cfg), shard_group=8, cp=2, **common)
     assert eight.states_gib == pytest.approx(one.states_gib / 8)
     assert eight.activations_gib == pytest.approx(one.activations_gib * (37800 + 256) / 76112)
     # A caption that 4 ranks split only once padded: 513 tokens take 129 a rank.
-    four = estimate_memory(model_config(cfg), shard_group=8, cp=4,
+    four = estimate_memory(DiTFamily(), model_config(cfg), shard_group=8, cp=4,
                            **{**common, "text_tokens": 513})
     assert four.activations_gib == pytest.approx(one.activations_gib * (18900 + 129) / 76112)
     assert "19029 tokens per rank (batch 1 x (75600 video + 513 caption) / cp 4)" in four.describe()
-    no_ckpt = estimate_memory(model_config(cfg), shard_group=1, cp=1,
+    no_ckpt = estimate_memory(DiTFamily(), model_config(cfg), shard_group=1, cp=1,
                               **{**common, "checkpointing": False})
     assert no_ckpt.activations_gib > 5 * one.activations_gib
 
@@ -155,20 +158,20 @@ def test_a_pack_budget_sets_the_activations_whatever_the_batch_and_clip_keys_say
 
 
 def test_teacher_forcing_packs_count_clean_and_noisy_video_and_cp_splits_both_streams():
-    from trainer.config.schema import model_config
+    from trainer.models.registry import model_config
 
     cfg = model_config(resolve_config(PRODUCTION, {}, check_paths=False))
     common = dict(use_muon=False, use_ema=False, shard_group=8, batch_per_rank=1,
                   checkpointing=True, pack_budget=10100, video_tokens=10000, text_tokens=100)
-    fm = estimate_memory(cfg, stage="fm", cp=1, **common)
-    tf = estimate_memory(cfg, stage="tf_anyflow", cp=1, **common)
-    tf_cp = estimate_memory(cfg, stage="tf_anyflow", cp=4, **common)
+    fm = estimate_memory(DiTFamily(), cfg, stage="fm", cp=1, **common)
+    tf = estimate_memory(DiTFamily(), cfg, stage="tf_anyflow", cp=1, **common)
+    tf_cp = estimate_memory(DiTFamily(), cfg, stage="tf_anyflow", cp=4, **common)
     # 10000 video + 100 caption tokens: fm holds them once, teacher forcing the video twice,
     # and cp 4 splits the 20000 video and the 100 caption tokens: 5000 + 25 a rank.
     assert tf.activations_gib == pytest.approx(fm.activations_gib * 20100 / 10100)
     assert tf_cp.activations_gib == pytest.approx(fm.activations_gib * 5025 / 10100)
     # No sample shape known: all video, which teacher forcing runs twice.
-    unknown = estimate_memory(cfg, stage="tf_anyflow", cp=4, **{**common, "video_tokens": 0})
+    unknown = estimate_memory(DiTFamily(), cfg, stage="tf_anyflow", cp=4, **{**common, "video_tokens": 0})
     assert unknown.activations_gib == pytest.approx(fm.activations_gib * 5050 / 10100)
     assert "no sample shape known" in unknown.describe()
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from trainer.models.dit.family import DiTFamily
 from trainer.models.dit.module import DiTBlock, VideoDiT, text_lengths_of
 from trainer.models.dit.config import MODEL_CONFIG_DEFAULTS, DiTConfig
 
@@ -58,15 +59,15 @@ def test_zero_init_modulation_makes_the_output_exactly_zero_at_init():
 
 def test_unknown_override_key_error_names_the_closest_key():
     with pytest.raises(ValueError, match="num_attention_heads"):
-        DiTConfig.from_overrides({"num_attn_heads": 2})
+        DiTFamily().config({"num_attn_heads": 2})
     with pytest.raises(ValueError, match="hidden_size"):
         VideoDiT(hiden_size=32)
 
 
 def test_zero_init_modulation_inside_overrides_is_rejected():
     with pytest.raises(ValueError, match="top-level"):
-        DiTConfig.from_overrides({"zero_init_modulation": False})
-    assert DiTConfig.from_overrides({"num_layers": 2}, zero_init_modulation=False).zero_init_modulation is False
+        DiTFamily().config({"zero_init_modulation": False})
+    assert DiTFamily().config({"num_layers": 2}, {"zero_init_modulation": False})["zero_init_modulation"] is False
 
 
 def test_rope_axes_must_sum_to_head_dim():
@@ -222,12 +223,20 @@ def test_committed_keys_are_detached():
 # ---- two-time conditioning ---------------------------------------------------------------
 
 
+def two_time_copy(fm, gate: float = 0.25):
+    """A two-time model of fm's config holding fm's weights, E_r initialised from E_t."""
+    two = VideoDiT(**{**fm.config, "two_time": True, "time_gate": gate}).to(fm.patch_embed.weight.dtype)
+    missing, unexpected = two.load_state_dict(fm.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith("r_embedder.") for k in missing)
+    two.init_second_time_from_first()
+    return two
+
+
 @pytest.mark.parametrize("gate,dtype", [(0.25, torch.float64), (0.3, torch.float32)])
-def test_enable_two_time_with_r_equal_t_reproduces_the_flow_matching_model_exactly(gate, dtype):
+def test_two_time_initialised_from_the_first_time_with_r_equal_t_reproduces_the_flow_matching_model_exactly(gate, dtype):
     fm = tiny().to(dtype)
     x, t, text = (a.to(dtype) for a in inputs())
-    two = copy.deepcopy(fm)
-    two.enable_two_time(gate=gate)
+    two = two_time_copy(fm, gate)
     assert torch.equal(two(x, t, text, r=t), fm(x, t, text))
     assert torch.equal(two(x, t, text), fm(x, t, text))
     assert not torch.allclose(two(x, t, text, r=t * 0.1), fm(x, t, text))
@@ -237,8 +246,7 @@ def test_enable_two_time_with_r_equal_t_reproduces_the_flow_matching_model_exact
 def test_gate_zero_ignores_r():
     fm = tiny()
     x, t, text = inputs()
-    two = copy.deepcopy(fm)
-    two.enable_two_time(gate=0.0)
+    two = two_time_copy(fm, gate=0.0)
     with torch.no_grad():
         for p in two.r_embedder.parameters():
             p.add_(torch.randn_like(p))
@@ -247,8 +255,7 @@ def test_gate_zero_ignores_r():
 
 def test_two_time_adds_exactly_the_r_embedder_keys():
     fm = tiny()
-    two = copy.deepcopy(fm)
-    two.enable_two_time()
+    two = two_time_copy(fm)
     extra = set(two.state_dict()) - set(fm.state_dict())
     assert extra == {f"r_embedder.linear_{i}.{p}" for i in (1, 2) for p in ("weight", "bias")}
     assert set(fm.state_dict()) <= set(two.state_dict())
@@ -258,7 +265,7 @@ def test_two_time_adds_exactly_the_r_embedder_keys():
 
 def test_r_on_a_single_time_model_is_an_error():
     x, t, text = inputs()
-    with pytest.raises(ValueError, match="enable_two_time"):
+    with pytest.raises(ValueError, match="two_time: true"):
         tiny()(x, t, text, r=t)
 
 

@@ -5,7 +5,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.flops import relay_forward_flops, wan_forward_flops
+from benchmarks.flops import model_forward_flops, wan_forward_flops
 from trainer.models.dit.module import VideoDiT
 
 torch.set_num_threads(1)
@@ -27,7 +27,7 @@ def test_relay_count_matches_the_products_the_model_runs(text_tokens):
     x = torch.randn(1, 4, 3, 4, 6)  # 3 x 2 x 3 = 18 video tokens
     text = torch.randn(1, text_tokens, 12)
     counted = _counted(lambda: model(x, torch.tensor([300.0]), text))
-    assert relay_forward_flops(model.config, 18, text_tokens) == counted
+    assert model_forward_flops("dit", model.config, 18, text_tokens) == counted
 
 
 def test_wan_count_matches_the_products_the_model_runs():

@@ -153,7 +153,7 @@ def test_warm_start_copies_e_t_into_e_r_so_the_diagonal_is_the_fm_model(tmp_path
     config_before = model.config
     ema = EMA(model, 0.99)
     report = warm_start(model, path, ema)
-    assert report["r_embedder"] == "copied from time_embedder"
+    assert report["second_time"] == "copied from the first"
     assert sorted(report["missing"]) == sorted(k for k in model.state_dict() if k.startswith("r_embedder."))
     assert model.config == config_before and model.config["two_time"] is True
     for key, value in model.state_dict().items():
@@ -178,11 +178,11 @@ def test_warm_start_keeps_a_trained_e_r_and_refuses_a_partial_one(tmp_path):
         source.r_embedder.linear_1.weight.add_(1.0)
     torch.save(source.state_dict(), tmp_path / "stage1.pt")
     model = tiny()
-    assert warm_start(model, tmp_path / "stage1.pt")["r_embedder"] == "loaded"
+    assert warm_start(model, tmp_path / "stage1.pt")["second_time"] == "loaded"
     assert torch.equal(model.r_embedder.linear_1.weight, source.r_embedder.linear_1.weight)
     partial = {k: v for k, v in source.state_dict().items() if k != "r_embedder.linear_2.bias"}
     torch.save(partial, tmp_path / "partial.pt")
-    with pytest.raises(CheckpointError, match="only some of the r_embedder"):
+    with pytest.raises(CheckpointError, match="only some of the second time"):
         warm_start(tiny(), tmp_path / "partial.pt")
 
 
@@ -542,6 +542,7 @@ class StraightPathOracle(torch.nn.Module):
         self.x0 = x0
         self.weight = torch.nn.Parameter(torch.zeros((), dtype=torch.float64))
         self.config = {"causal_chunk_size": chunk}
+        self.geometry = SimpleNamespace(causal_chunk_frames=chunk)  # the protocol's geometry
         self.committed = []
 
     def _u(self, x, t, target):
@@ -687,7 +688,7 @@ def test_stage1_trains_from_an_fm_checkpoint_and_its_checkpoint_samples(tmp_path
          "--transformer_config_overrides",
          "{" + small + ", causal_chunk_size: 2, two_time: true, time_gate: 0.25}", *common], REPO)
     warm = json.loads((out / "warm-start.json").read_text())
-    assert warm["r_embedder"] == "copied from time_embedder"
+    assert warm["second_time"] == "copied from the first"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     for key in ("loss", "loss_diffusion", "loss_consistency", "loss_flowmap", "grad_norm", "lr"):

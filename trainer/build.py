@@ -2,7 +2,8 @@
 and the kernel warm-up alike, so all three get the same model from the same arguments.
 
 Stages (trainer/stages/) compute losses; this module decides how their parts are constructed:
-the DiT from `model_config(args)`, activation checkpointing and torch.compile as the args ask,
+the model from its family (`model_family`, trainer.models.registry) and `model_config(args)`,
+activation checkpointing and torch.compile as the args ask,
 the frozen teacher and trainable critic of Stage2, the data iterator of this rank.
 """
 
@@ -14,24 +15,26 @@ import torch
 
 from trainer.parallel.distributed import Topology, barrier, shard_model
 from trainer.models.fa4_ops import FA4_OPS
-from trainer.config.schema import ResolvedArgs, model_config
+from trainer.config.schema import ResolvedArgs
+from trainer.models.registry import family_of, model_config
 
 log = logging.getLogger(__name__)
 
 
 def build_model(args: ResolvedArgs, device: torch.device, config: dict | None = None):
-    """The run's VideoDiT (or one with `config` instead of the run's model config) on `device`."""
-    from trainer.models.dit.module import VideoDiT
+    """The run's model (or one with `config` instead of the run's model config) on `device`."""
+    return family_of(args).build(config or model_config(args)).to(device)
 
-    return VideoDiT(**(config or model_config(args))).to(device)
+
+def geometry(args: ResolvedArgs):
+    """The run's model geometry (trainer.models.family.Geometry)."""
+    return family_of(args).geometry(model_config(args))
 
 
 def build_score_models(args: ResolvedArgs, device: torch.device):
     """Stage2's (teacher, critic): bidirectional single-time copies of the student's config,
     the teacher frozen, both prepared for training (compile, checkpointing) like the student."""
-    from trainer.stages.dmd_sgf import teacher_model_config
-
-    config = teacher_model_config(model_config(args))
+    config = family_of(args).bidirectional_config(model_config(args))
     teacher = build_model(args, device, config).eval().requires_grad_(False)
     critic = build_model(args, device, config)
     return prepare_for_training(teacher, args), prepare_for_training(critic, args)
@@ -61,9 +64,9 @@ def prepare_for_training(model: torch.nn.Module, args: ResolvedArgs) -> torch.nn
     enable_gradient_checkpointing recomputes each block's activations in the backward pass
     (torch's composable `checkpoint`: it hooks the block's forward and keeps parameter names,
     so checkpoints and warm starts do not see it); use_dedicated_gradient_checkpointing
-    makes it selective: attention outputs are kept, everything else is recomputed. compile_transformer compiles the blocks'
-    two streams. Training and the kernel warm-up both come through here, so they compile the
-    same graphs and the warm-up measures the memory training will need (docs/kernels.md).
+    makes it selective: attention outputs are kept, everything else is recomputed.
+    compile_transformer compiles the blocks (the family's `compile_blocks`). Training and the
+    kernel warm-up both come through here, so they compile the same graphs and the warm-up measures the memory training will need (docs/kernels.md).
     """
     if args.enable_gradient_checkpointing:
         from torch.distributed._composable import checkpoint
@@ -71,12 +74,10 @@ def prepare_for_training(model: torch.nn.Module, args: ResolvedArgs) -> torch.nn
         options = {}
         if args.use_dedicated_gradient_checkpointing:
             options["context_fn"] = _keep_attention_outputs
-        for block in model.blocks:
-            checkpoint(block, **options)
+        for unit in model.checkpoint_units():
+            checkpoint(unit, **options)
     if args.compile_transformer:
-        from trainer.models.dit.module import compile_transformer_blocks
-
-        compile_transformer_blocks(model)
+        model.compile_blocks()
     return model
 
 
@@ -110,7 +111,7 @@ def build_text_encoder(args: ResolvedArgs, device="cpu"):
     extra = {}
     if args.text_encoder == "standin" and args.get("synthetic_generator") == "bench":
         extra["positional"] = True  # as the benchmark's data was encoded (trainer.data.synthetic)
-    return build(args.text_encoder, text_dim=model_config(args)["text_dim"],
+    return build(args.text_encoder, text_dim=geometry(args).text_dim,
                  max_tokens=args.text_max_tokens,
                  skip_layer=args.text_encoder_hidden_state_skip_layer, device=device, **extra)
 
@@ -128,7 +129,7 @@ def build_data(args: ResolvedArgs, topo: Topology, seed_offset: int = 0, text_en
         if topo.is_main:
             ensure_dataset(args.data_path, args.synthetic_num_samples, seed=args.synthetic_seed,
                            num_frames=args.synthetic_num_frames, height=args.synthetic_height,
-                           width=args.synthetic_width, text_dim=model_config(args)["text_dim"],
+                           width=args.synthetic_width, text_dim=geometry(args).text_dim,
                            max_text_tokens=args.text_max_tokens,
                            generator=args.synthetic_generator)
         barrier()
@@ -140,11 +141,20 @@ def build_data(args: ResolvedArgs, topo: Topology, seed_offset: int = 0, text_en
     return GroupSharedBatches(reader, topo.cp_group)
 
 
+def packing_budget(args: ResolvedArgs) -> int | None:
+    """The joint tokens of a pack, or None for stacked batches: packing_token_budget, or a
+    budget derived from the data when a stream mixes latent shapes (trainer.data.checks)."""
+    from trainer.data.checks import batching
+
+    return batching(args).budget
+
+
 def _data_reader(args: ResolvedArgs, topo: Topology, seed_offset: int, text_encoder):
     """The DistributedBatchIterator of this rank's data-parallel share."""
     from trainer.data import DistributedBatchIterator, ParquetLatentDataset
 
-    packing = args.packing_token_budget is not None
+    budget = packing_budget(args)
+    packing = budget is not None
     # Packs keep every caption at its own length; stacked batches need one length.
     dataset = ParquetLatentDataset(args.data_path, pad_text=not packing,
                                    max_text_tokens=None if packing else args.text_max_tokens,
@@ -154,8 +164,8 @@ def _data_reader(args: ResolvedArgs, topo: Topology, seed_offset: int, text_enco
         log.warning("%d rows of the data are unreadable and left out; first: %s", len(bad), bad[0])
     return DistributedBatchIterator(
         dataset, batch_size=args.train_batch_size, dp_rank=topo.dp_rank, dp_world=topo.dp_world,
-        seed=args.seed + seed_offset, token_budget=args.packing_token_budget,
-        patch_size=model_config(args)["patch_size"], image_sample_prob=args.image_sample_prob,
+        seed=args.seed + seed_offset, token_budget=budget,
+        patch_size=geometry(args).patch_size, image_sample_prob=args.image_sample_prob,
         num_workers=args.packed_dataloader_num_workers,
         prefetch_factor=args.packed_dataloader_prefetch_factor,
         pin_memory=topo.device.type == "cuda",
@@ -197,7 +207,7 @@ def _fm_stage(args: ResolvedArgs, topo: Topology):
     model = build_trained_model(args, topo)
     optimizer, scheduler = build_optimization(args, model, max_steps=args.max_steps)
     # Packs run through forward_packed (registered with FSDP2 in trainer.parallel.distributed).
-    runs = PackedForward(model) if args.packing_token_budget is not None else model
+    runs = PackedForward(model) if packing_budget(args) is not None else model
     encoder = build_text_encoder(args, topo.device)
     return FlowMatchingStage(model, runs, optimizer, scheduler,
                              build_ema(args, model), build_data(args, topo, text_encoder=encoder),
@@ -212,7 +222,7 @@ def _tf_anyflow_stage(args: ResolvedArgs, topo: Topology):
 
     model = build_trained_model(args, topo)
     optimizer, scheduler = build_optimization(args, model, max_steps=args.max_steps)
-    packed = args.packing_token_budget is not None
+    packed = packing_budget(args) is not None
     forward = TeacherForcingPackedForward if packed else TeacherForcingForward
     encoder = build_text_encoder(args, topo.device)
     return TFAnyFlowStage(model, forward(model), optimizer,

@@ -39,7 +39,8 @@ from trainer.config.args import resolve_args
 from trainer.build import (build_model, build_score_models, build_text_encoder,
                            prepare_for_training, sample_latent_shape)
 from trainer.runtime.files import write_json
-from trainer.config.schema import ConfigError, ResolvedArgs, model_config
+from trainer.config.schema import ConfigError, ResolvedArgs
+from trainer.models.registry import family_of, model_config
 
 log = logging.getLogger("relay")
 
@@ -58,12 +59,12 @@ def warmup_shapes(args: ResolvedArgs) -> dict[str, Any]:
 
     Raises FileNotFoundError / ValueError when the data cannot be read (as training would).
     """
-    config = model_config(args)
+    geometry = family_of(args).geometry(model_config(args))
     latent = sample_latent_shape(args)
-    pt, ph, pw = config["patch_size"]
+    pt, ph, pw = geometry.patch_size
     _, t, h, w = latent
     return {"batch": int(args.train_batch_size), "latent": list(latent),
-            "text_tokens": int(args.text_max_tokens), "text_dim": int(config["text_dim"]),
+            "text_tokens": int(args.text_max_tokens), "text_dim": int(geometry.text_dim),
             "video_tokens": (t // pt) * (h // ph) * (w // pw)}
 
 
@@ -192,7 +193,7 @@ def warm_up_kernels(args: ResolvedArgs, device: torch.device | str,
     log.info("kernel warm-up: autotuning may take minutes on a cold cache (stage %s, batch %d, "
              "latent %s, %d text tokens, %d video tokens, attention %s, compile %s, dtype %s, %s)",
              args.stage, shapes["batch"], shapes["latent"], shapes["text_tokens"],
-             shapes["video_tokens"], config["attention_backend"], args.compile_transformer,
+             shapes["video_tokens"], config.get("attention_backend", "auto"), args.compile_transformer,
              args.dtype, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -1,8 +1,8 @@
 """Every argument of train.py, as plain data: name, type, default, help (no torch here).
 
 The login node validates whole pipelines with this module and trainer.config.args, so neither may need
-torch. `ResolvedArgs` is what parsing returns; `model_config(args)` the model's constructor
-arguments. The reference in docs/config-reference.md is generated from SECTIONS:
+torch. `ResolvedArgs` is what parsing returns (the model's config comes from
+trainer.models.registry.model_config). The reference in docs/config-reference.md is generated from SECTIONS:
 
     python -m trainer.config.schema --markdown > docs/config-reference.md
 """
@@ -16,7 +16,6 @@ import json
 import sys
 from typing import Any
 
-from trainer.models.dit.config import MODEL_CONFIG_DEFAULTS
 
 
 class ConfigError(Exception):
@@ -44,11 +43,15 @@ class Arg:
 
 SECTIONS: dict[str, list[Arg]] = {
     "model": [
+        Arg("model_family", "str", "dit",
+            "The model family (architecture) the run trains: `dit`, relay's own video DiT "
+            "(docs/model.md), or a family registered with trainer.models.registry."),
         Arg("transformer_config_overrides", "dict", {},
-            "The complete transformer architecture: every constructor argument of "
-            "trainer.models.dit.module.VideoDiT (hidden_size, num_attention_heads, num_layers, mlp_ratio, "
-            "rope_axes_dim, patch_size, in_channels, text_dim, qk_norm, causal_chunk_size, ...). "
-            "Nothing is read from a pretrained-model directory."),
+            "The complete transformer architecture: the model family's constructor arguments "
+            "over its defaults (for `dit`: hidden_size, num_attention_heads, num_layers, "
+            "mlp_ratio, rope_axes_dim, patch_size, in_channels, text_dim, qk_norm, "
+            "causal_chunk_size, ...; docs/model.md). Nothing is read from a pretrained-model "
+            "directory."),
         Arg("zero_init_modulation", "bool", True,
             "adaLN-Zero: initialise every modulation gate and the output head to zero, so a new "
             "model starts as the identity. Top-level only; never inside the overrides."),
@@ -330,8 +333,14 @@ SECTIONS: dict[str, list[Arg]] = {
         Arg("async_checkpoint", "bool", False,
             "Save checkpoints in the background (at most one in flight, finished before exit)."),
         Arg("resume_data_state", "bool", True,
-            "Resume the data cursors with the checkpoint. false restarts the data stream (needed "
-            "when the data-parallel size changed)."),
+            "Resume the data cursors with the checkpoint. false restarts the data stream (for a "
+            "resume whose saved data position the new split cannot reach exactly; see "
+            "docs/checkpoints.md)."),
+        Arg("allow_data_change", "bool", False,
+            "Resume even though the data changed since the checkpoint was saved (shards added, "
+            "removed or rewritten: checkpoints record each shard's name, size and parquet footer "
+            "digest). The data position is kept in the new data's order, and the log says where "
+            "each stream continues. false refuses such a resume."),
         Arg("resume_video_csv", "bool", True,
             "false: resume everything but restart the video stream from the top, keeping the "
             "image stream's cursor (needs image_sample_prob, which splits the two streams)."),
@@ -381,14 +390,6 @@ class ResolvedArgs(dict):
 
 
 
-def model_config(args: ResolvedArgs) -> dict[str, Any]:
-    """The full model constructor arguments: defaults < overrides, plus zero_init_modulation."""
-    config = dict(MODEL_CONFIG_DEFAULTS)
-    config.update(args.transformer_config_overrides)
-    config["zero_init_modulation"] = args.zero_init_modulation
-    return config
-
-
 # ---------------------------------------------------------------------------------------------
 # The generated config reference
 # ---------------------------------------------------------------------------------------------
@@ -404,7 +405,9 @@ def render_reference() -> str:
         "YAML sections are free-form and flattened: any section may hold any key, but a key may be",
         "set only once. Unknown keys, wrong types and contradictions are errors before anything",
         "starts. Lists and mappings on the command line use YAML syntax (`--patch_size [1,4,4]`),",
-        "booleans are `true|false`, `null` clears a nullable key.",
+        "booleans are `true|false`, `null` clears a nullable key. `${oc.env:VAR}` (and",
+        "`${oc.env:VAR,default}`) in a command-line value reads the environment as in the YAML; an",
+        "unset variable without a default is an error.",
         "",
     ]
     for section, args in SECTIONS.items():

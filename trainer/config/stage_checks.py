@@ -8,14 +8,47 @@ from __future__ import annotations
 
 import warnings
 
-from trainer.models.dit.config import NUM_TRAIN_TIMESTEPS
-from trainer.config.schema import ConfigError, ResolvedArgs, model_config
+from trainer.diffusion.timesteps import NUM_TRAIN_TIMESTEPS
+from trainer.config.schema import ConfigError, ResolvedArgs
+from trainer.models.registry import family_of, model_config
+
+
+# What each stage calls on the model (trainer.models.family.CAPABILITIES): preflight refuses a
+# model family that lacks one before a job starts.
+STAGE_CAPABILITIES: dict[str, tuple[str, ...]] = {
+    "fm": (),
+    "tf_anyflow": ("per_frame_times", "teacher_forcing", "kv_cache", "two_time"),
+    "dmd_sgf": ("per_frame_times", "teacher_forcing", "kv_cache"),
+}
 
 
 def validate_stage(args: ResolvedArgs) -> None:
     """Raise ConfigError when args.stage cannot run with these arguments (warn where harmless)."""
+    _require_capabilities(family_of(args), args.stage, _needs_of_the_data(args))
     _check_tf_anyflow(args)
     _check_dmd_sgf(args)
+
+
+def _needs_of_the_data(args: ResolvedArgs) -> tuple[str, ...]:
+    """Capabilities any stage needs for how these arguments batch and condition: packs need
+    packed forwards; conditioning frames (kept clean at t = 0) need a time per frame."""
+    needs = ("packed",) if args.packing_token_budget is not None else ()
+    if args.image_cond_prob > 0 or args.video_cond_prob > 0:
+        needs += ("per_frame_times",)
+    return needs
+
+
+def _require_capabilities(family, stage: str, extra: tuple[str, ...] = ()) -> None:
+    """Raise ConfigError naming what `family` lacks of what `stage` calls on its model."""
+    needed = dict.fromkeys((*STAGE_CAPABILITIES.get(stage, ()), *extra))
+    missing = family.missing_capabilities(needed)
+    if missing:
+        from trainer.models.family import CAPABILITIES
+
+        raise ConfigError(
+            f"stage {stage} needs what model family {family.name!r} cannot do: "
+            f"{'; '.join(CAPABILITIES[c] for c in missing)}. Train this stage with a family "
+            f"that has it (e.g. model_family: dit), or run a stage that does not need it.")
 
 
 def _check_tf_anyflow(args: ResolvedArgs) -> None:
@@ -27,23 +60,23 @@ def _check_tf_anyflow(args: ResolvedArgs) -> None:
     """
     if args.stage != "tf_anyflow":
         return
-    config = model_config(args)
-    if config.get("causal_chunk_size") is None:
+    family = family_of(args)
+    geometry = family.geometry(model_config(args))
+    if geometry.causal_chunk_frames is None:
         raise ConfigError(
-            "stage tf_anyflow trains a causal (teacher-forcing) model, but "
-            "transformer_config_overrides has no `causal_chunk_size`. Set it to the latent "
-            "frames per chunk (e.g. causal_chunk_size: 2) so relay sample/eval rebuild the same "
-            "causal model.")
-    if config.get("two_time") is not True:
+            f"stage tf_anyflow trains a causal (teacher-forcing) model, but the model config is "
+            f"bidirectional: {family.setting_hint('causal')} so relay sample/eval rebuild the "
+            f"same causal model.")
+    if not geometry.two_time:
         raise ConfigError(
-            "stage tf_anyflow trains a two-time model u(x, t, r), but transformer_config_overrides "
-            "does not say `two_time: true`. Add it: the warm start then loads the FM weights and "
-            "copies E_t into E_r (r_embedder.*).")
-    if float(config.get("time_gate", 0.25)) != float(args.anyflow_time_gate):
+            f"stage tf_anyflow trains a two-time model u(x, t, r), but the model config has no "
+            f"second time input: {family.setting_hint('two_time')}. The warm start then loads "
+            f"the FM weights and copies E_t into E_r.")
+    if float(geometry.time_gate) != float(args.anyflow_time_gate):
         raise ConfigError(
             f"anyflow_time_gate is {args.anyflow_time_gate} but the model's time_gate is "
-            f"{config.get('time_gate')}. The model config is what relay sample rebuilds: set "
-            f"transformer_config_overrides.time_gate to {args.anyflow_time_gate} (or change "
+            f"{geometry.time_gate}. The model config is what relay sample rebuilds: "
+            f"{family.setting_hint('time_gate')} to {args.anyflow_time_gate} (or change "
             f"anyflow_time_gate to match).")
     for key in ("anyflow_diffusion_ratio", "anyflow_consistency_ratio"):
         if not 0.0 <= args[key] <= 1.0:
@@ -91,14 +124,14 @@ def _check_dmd_sgf(args: ResolvedArgs) -> None:
           "its three roles load from student_init_path, teacher_init_path and critic_init_path "
           "(with student_/teacher_/critic_init_weights). Remove the pretrained_transformer_path "
           "and load_transformer_weights keys.")
-    config = model_config(args)
-    check(config.get("causal_chunk_size") is not None,
-          "stage dmd_sgf trains a causal student: set causal_chunk_size in "
-          "transformer_config_overrides (the student's config; the teacher and critic use it "
-          "with causal_chunk_size null).")
-    check(not config.get("two_time", False),
-          "the Stage2 student is single-time: set two_time: false in "
-          "transformer_config_overrides (Stage1's r_embedder.* is dropped at load).")
+    family = family_of(args)
+    geometry = family.geometry(model_config(args))
+    check(geometry.causal_chunk_frames is not None,
+          f"stage dmd_sgf trains a causal student: {family.setting_hint('causal')} (the "
+          f"student's config; the teacher and critic use its bidirectional form).")
+    check(not geometry.two_time,
+          f"the Stage2 student is single-time: {family.setting_hint('single_time')} (Stage1's "
+          f"second time input is dropped at load).")
     check(args.generator_update_interval >= 1,
           f"`generator_update_interval` must be >= 1, got {args.generator_update_interval}.")
     steps = list(args.dmd_denoising_steps)

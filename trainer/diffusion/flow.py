@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from trainer.models.dit.config import NUM_TRAIN_TIMESTEPS  # noqa: F401  (flow.NUM_TRAIN_TIMESTEPS)
+from trainer.diffusion.timesteps import NUM_TRAIN_TIMESTEPS  # noqa: F401  (flow.NUM_TRAIN_TIMESTEPS)
 
 # Every base sample is squeezed into this interval so that neither end of the path (where the
 # model input is exactly data or exactly noise) is drawn. docs/algorithms.md, "Base draws".

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.models.fa4_ops import fa4_attention, fa4_varlen_attention
-from trainer.models.dit.config import ATTENTION_BACKENDS
+from trainer.models.backends import ATTENTION_BACKENDS
 
 log = logging.getLogger("relay")
 

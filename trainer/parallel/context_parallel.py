@@ -34,7 +34,7 @@ boundaries when size divides n: rank r's share of run g is its local tokens [g n
 token (a pack's per-token slots) are strided like the tokens. Any other run length is refused
 (trainer.preflight says so before a run starts: tokens per latent frame must divide by
 cp_size). A pack's video tokens are padded to a multiple of size by the model
-(VideoDiT.forward_packed, and each chunk round of a packed rollout), the padding a sequence of
+(a packed forward, and each chunk round of a packed rollout), the padding a sequence of
 its own; a packed rollout's cache holds, per sample, this rank's heads of its caption and
 committed chunks.
 
@@ -63,7 +63,7 @@ class Ulysses:
 
     def __init__(self, group, size: int, rank: int, num_heads: int):
         if num_heads % size:
-            raise ValueError(f"num_attention_heads {num_heads} is not divisible by cp_size {size}")
+            raise ValueError(f"the model's {num_heads} attention heads are not divisible by cp_size {size}")
         self.group, self.size, self.rank = group, size, rank
 
     def padding(self, num_tokens: int) -> int:
@@ -140,11 +140,10 @@ class Ulysses:
 
 
 def attach(model: torch.nn.Module, group, size: int, rank: int) -> torch.nn.Module:
-    """Make `model` (a VideoDiT, sharded or not) run context-parallel over `group`; returns it.
+    """Make `model` (a family module, sharded or not) run context-parallel over `group`;
+    returns it. The family decides where the exchanges run (`attach_context_parallel`).
     Raises ValueError when its heads do not divide by size."""
-    ulysses = Ulysses(group, size, rank, model.cfg.num_attention_heads)
-    for module in (model, *model.blocks):
-        module.ulysses = ulysses
+    model.attach_context_parallel(Ulysses(group, size, rank, model.geometry.num_heads))
     return model
 
 

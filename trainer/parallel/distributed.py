@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer.models.protocol import FORWARD_METHODS
+
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
@@ -134,15 +136,12 @@ def _fsdp_mesh(device: torch.device, shape):
                             mesh_dim_names=("dp_replicate", "dp_shard_cp"))
 
 
-# Methods the stages call instead of forward; FSDP2 must unshard around them too.
-_FORWARD_METHODS = ("forward_teacher_forcing", "forward_packed", "forward_teacher_forcing_packed",
-                    "new_kv_cache", "forward_chunk", "commit_chunk", "new_packed_kv_cache",
-                    "forward_chunk_packed", "commit_chunk_packed")
 
 
 def shard_model(model: torch.nn.Module, topo: Topology) -> torch.nn.Module:
-    """FSDP2 (`fully_shard`) over the run's mesh: each transformer block, then the root (the
-    embedders, the head). Returns the same module, now sharded; a no-op in one process.
+    """FSDP2 (`fully_shard`) over the run's mesh: each unit the model family names
+    (trainer.models.protocol: its blocks), then the root (the embedders, the head). Returns
+    the same module, now sharded; a no-op in one process.
 
     A block is the unit of all-gather: its parameters are gathered just before it runs and
     freed after (reshard_after_forward), so a rank holds the full weights of about one block
@@ -156,14 +155,10 @@ def shard_model(model: torch.nn.Module, topo: Topology) -> torch.nn.Module:
 
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if topo.device.type == "cuda" else MixedPrecisionPolicy())
-    for block in model.blocks:
-        # The model computes a block's adaLN table (block.modulation) before calling the
-        # block, outside its forward hooks: the table is a unit of its own.
-        if hasattr(block, "modulation"):
-            fully_shard(block.modulation, mesh=topo.fsdp_mesh, mp_policy=policy)
-        fully_shard(block, mesh=topo.fsdp_mesh, mp_policy=policy)
+    for unit in model.fsdp_units():  # the family's units (its blocks), innermost first
+        fully_shard(unit, mesh=topo.fsdp_mesh, mp_policy=policy)
     fully_shard(model, mesh=topo.fsdp_mesh, mp_policy=policy)
-    for name in _FORWARD_METHODS:
+    for name in FORWARD_METHODS:
         if hasattr(model, name):
             register_fsdp_forward_method(model, name)
     return model

@@ -41,41 +41,10 @@ import dataclasses
 import math
 
 GIB = 2**30
-TIME_FREQ_DIM = 256   # trainer.models.dit.module.TIME_FREQ_DIM (the sinusoidal timestep features)
 ACT_BYTES = 39.0      # saved bytes per token x hidden_size per block, no checkpointing (bf16)
 CKPT_BYTES = 4.0      # kept per token x hidden_size per block under full checkpointing
 ATTENTION_BYTES = 2.0  # selective checkpointing also keeps each block's bf16 attention output
 OVERHEAD_GIB = 2.0    # CUDA context, allocator fragmentation, communication buffers
-
-
-def block_parameters(cfg: dict) -> int:
-    """Parameters of one transformer block (attention, qk-norm, MLP, adaLN table)."""
-    h = cfg["hidden_size"]
-    m = int(h * cfg["mlp_ratio"])
-    head_dim = h // cfg["num_attention_heads"]
-    qk_norm = 2 * head_dim if cfg.get("qk_norm", True) else 0
-    return (3 * h * h + 3 * h) + (h * h + h) + (2 * h * m + m + h) + (6 * h * h + 6 * h) + qk_norm
-
-
-def model_parameters(cfg: dict) -> int:
-    """Parameters of a VideoDiT with model config `cfg` (trainer.models.dit.config keys)."""
-    h = cfg["hidden_size"]
-    pt, ph, pw = cfg["patch_size"]
-    patch_in = cfg["in_channels"] * pt * ph * pw
-    patch_out = (cfg.get("out_channels") or cfg["in_channels"]) * pt * ph * pw
-    time_mlp = TIME_FREQ_DIM * h + h + h * h + h
-    root = ((patch_in * h + h) + (cfg["text_dim"] * h + h + h * h + h) + time_mlp
-            + (2 * h * h + 2 * h) + (h * patch_out + patch_out))
-    if cfg.get("two_time"):
-        root += time_mlp
-    return root + cfg["num_layers"] * block_parameters(cfg)
-
-
-def muon_parameters(cfg: dict) -> int:
-    """Parameters Muon updates (the blocks' hidden matrices: qkv, proj, the MLP); AdamW the rest."""
-    h = cfg["hidden_size"]
-    m = int(h * cfg["mlp_ratio"])
-    return cfg["num_layers"] * (3 * h * h + h * h + 2 * h * m)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,16 +97,18 @@ def pack_tokens_per_rank(budget: int, *, copies: int, cp: int, video_tokens: int
     return math.ceil(copies * (budget - caption) / cp) + math.ceil(caption / cp), caption, how
 
 
-def estimate_memory(cfg: dict, *, stage: str, use_muon: bool, use_ema: bool,
+def estimate_memory(family, cfg: dict, *, stage: str, use_muon: bool, use_ema: bool,
                     shard_group: int, cp: int, batch_per_rank: int, video_tokens: int,
                     text_tokens: int, checkpointing: bool,
                     selective: bool = False, pack_budget: int | None = None) -> MemoryEstimate:
     """The memory one GPU needs for a step of `stage` (see the module docstring); with
     `pack_budget` (packing_token_budget) a micro-batch is one pack of that many joint tokens
-    and batch_per_rank is not used."""
-    p = model_parameters(cfg)
-    per_block = block_parameters(cfg)
-    h, layers = cfg["hidden_size"], cfg["num_layers"]
+    and batch_per_rank is not used. `family` (trainer.models.family) counts the parameters of
+    the model `cfg` describes and gives its width and depth."""
+    counts = family.param_counts(cfg)
+    geometry = family.geometry(cfg)
+    p, per_block = counts.total, counts.per_block
+    h, layers = geometry.hidden_size, geometry.num_layers
     lines = [f"  model: {p / 1e9:.3f}B parameters ({layers} blocks of {per_block / 1e6:.1f}M), "
              f"sharded over {shard_group} rank(s)"]
     states = 0.0
@@ -145,7 +116,7 @@ def estimate_memory(cfg: dict, *, stage: str, use_muon: bool, use_ema: bool,
         bytes_per = 4.0  # fp32 parameters
         what = ["params 4"]
         if role.trained:
-            muon = muon_parameters(cfg) if use_muon else 0
+            muon = counts.muon if use_muon else 0
             optim = (4 * muon + 8 * (p - muon)) / p
             bytes_per += 4 + optim
             what += ["grads 4", f"{'Muon+AdamW' if use_muon else 'AdamW'} {optim:.1f}"]

@@ -1,7 +1,7 @@
 """Stage2: DMD via SGF (self-gradient forcing), docs/algorithms.md, "Stage2: DMD via SGF".
 
-Three roles: the causal student G (trained; init: Stage1 EMA without r_embedder.*), the frozen
-bidirectional teacher (real score; init: SFT) and the trainable bidirectional critic (fake
+Three roles: the causal student G (trained; init: Stage1 EMA without its second time input),
+the frozen bidirectional teacher (real score; init: SFT) and the trainable bidirectional critic (fake
 score; init: SFT). Outer step k = step - 1 (the loop counts steps from 1): the student updates
 when k > 0 and k % generator_update_interval == 0, then the critic updates, every step
 (SolarWM order, "Cadence"). Each update draws its own batch and its own rollout.
@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from trainer.diffusion import flow
+from trainer.models.registry import family_of
 from trainer.parallel.distributed import max_across_ranks, mean_across_ranks
 from trainer.diffusion.sample_draws import SampleDraws, step_generator
 from trainer.stages import rollout as ro
@@ -37,21 +38,10 @@ from trainer.stages.base import (Stage, WarmStartSource, autocast_context, batch
 
 N = flow.NUM_TRAIN_TIMESTEPS
 
-# Stage1's two-time embedder; the Stage2 student is single-time, so these source keys are
-# dropped (and only these: anything else unexpected still fails the warm start).
-STUDENT_DROPPED_KEYS = ("r_embedder.*",)
 ROLES = ("student", "teacher", "critic")
 
 
 # ---- configuration -----------------------------------------------------------------------
-
-def teacher_model_config(student_config: dict) -> dict:
-    """The bidirectional single-time config of the teacher and critic: the student's config
-    with causal_chunk_size, attn_window_chunks null and two_time false."""
-    config = dict(student_config)
-    config.update(causal_chunk_size=None, attn_window_chunks=None, two_time=False)
-    return config
-
 
 # ---- cadence -----------------------------------------------------------------------------
 
@@ -413,7 +403,7 @@ class DMDSGFStage(Stage):
                       for x0, noise, a in zip(x0s, noises, anchored)]
             cleans = x0s
         else:
-            chunk = self.student.cfg.causal_chunk_size
+            chunk = self.student.geometry.causal_chunk_frames
             # Every rank runs as many chunk rounds as the longest pack of any rank holds.
             rounds = max_across_ranks(max(-(-x0.shape[2] // chunk) for x0 in x0s))
             rollout = ro.simulate_packed_rollout(self.student, noises, texts, masks, self.sigmas,
@@ -469,7 +459,7 @@ class DMDSGFStage(Stage):
 
     def _next_batch(self) -> dict:
         batch = batch_to_device(self.data.next_batch(), self.device)
-        pt, ph, pw = self.student.cfg.patch_size
+        pt, ph, pw = self.student.geometry.patch_size
         shapes = ([x.shape for x in batch["latents"]] if batch.get("packed")
                   else [batch["latents"].shape[1:]] * batch["latents"].shape[0])
         self.last_batch_samples = len(shapes)
@@ -480,13 +470,16 @@ class DMDSGFStage(Stage):
 
     # ---- init, checkpoints, sampling -------------------------------------------------------
     def warm_start_sources(self) -> list[WarmStartSource]:
-        """The three roles from their *_init_path sources; the student drops exactly
-        r_embedder.* (plus warm_start_allow_unexpected). Stage2 always starts this way."""
+        """The three roles from their *_init_path sources; the student drops exactly the
+        weights of Stage1's second time input (the family's `second_time_keys`; the Stage2
+        student is single-time), plus warm_start_allow_unexpected. Stage2 always starts this
+        way."""
         args = self.args
+        dropped = family_of(args).second_time_keys
         return [WarmStartSource(
             role, args[f"{role}_init_path"], args[f"{role}_init_weights"],
             tuple(args.warm_start_allow_missing),
-            (*(STUDENT_DROPPED_KEYS if role == "student" else ()),
+            (*(dropped if role == "student" else ()),
              *args.warm_start_allow_unexpected)) for role in ROLES]
 
     def extra_state(self) -> dict:

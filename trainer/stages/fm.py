@@ -214,7 +214,7 @@ class FlowMatchingStage(Stage):
         """The loss of one micro-batch (index `micro` within the step) and its diagnostics."""
         if batch.get("packed"):
             return fm_loss_packed(self.train_model, batch, self.args, self.null_text,
-                                  self.null_mask, self.model.config["patch_size"], draws)
+                                  self.null_mask, self.model.geometry.patch_size, draws)
         return fm_loss(self.train_model, batch, self.args, self.null_text, self.null_mask,
                        self.tokens_per_sample, draws)
 
@@ -233,7 +233,7 @@ class FlowMatchingStage(Stage):
                                 tuple(args.warm_start_allow_unexpected))]
 
     def num_tokens(self, batch: dict) -> int:
-        pt, ph, pw = self.model.config["patch_size"]
+        pt, ph, pw = self.model.geometry.patch_size
         if batch.get("packed"):  # the pack's mean, so samples x tokens_per_sample is its total
             sizes = [(t // pt) * (h // ph) * (w // pw) for _, t, h, w in (x.shape for x in batch["latents"])]
             return sum(sizes) // len(sizes)

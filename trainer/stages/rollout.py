@@ -1,9 +1,9 @@
 """The causal student's rollout: step lists, the chunked KV-cache rollout, its teacher-forcing
 replay, and the Stage2 sampler (docs/algorithms.md, "Step list", "Rollout and KV cache", "Student sampler").
 
-A rollout makes a clip chunk by chunk (`causal_chunk_size` latent frames each). Every chunk
-starts from noise and runs the step list sigma_0 > sigma_1 > ... with the student's
-x0 prediction x0 = x - sigma * F, re-noising to the next step with fresh noise, until the exit
+A rollout makes a clip chunk by chunk (the causal chunk of the model's geometry, in latent
+frames). Every chunk starts from noise and runs the step list sigma_0 > sigma_1 > ... with the
+student's x0 prediction x0 = x - sigma * F, re-noising to the next step with fresh noise, until the exit
 step j*: its x0 prediction is the chunk's output. That output is then committed (run at
 t = 0, K/V appended to the cache, detached) so later chunks see it. The sampler is the same
 loop with j* = the last step.
@@ -224,7 +224,7 @@ def simulate_rollout(student: CachedStudent, noise: torch.Tensor, sigmas: list[f
     """
     if not 0 <= exit_index < len(sigmas):
         raise ValueError(f"exit index {exit_index} outside the {len(sigmas)}-step list")
-    chunk = student.model.cfg.causal_chunk_size
+    chunk = student.model.geometry.causal_chunk_frames
     b, _, frames = noise.shape[:3]
     noisy_parts, outputs = [], []
     for start in range(0, frames, chunk):
@@ -296,8 +296,8 @@ def sample_student(model: nn.Module, text: torch.Tensor, text_mask: torch.Tensor
     results do not depend on the device. Returns latents [B, C, T, H, W].
     Raises ValueError for a non-causal model or steps < 1.
     """
-    if getattr(model, "cfg", None) is None or model.cfg.causal_chunk_size is None:
-        raise ValueError("sample_student needs a causal model (causal_chunk_size set)")
+    if getattr(model, "geometry", None) is None or model.geometry.causal_chunk_frames is None:
+        raise ValueError("sample_student needs a causal model (a config with causal chunks)")
     sigmas = inference_sigmas(steps, shift)
     device = text.device
     noise = torch.randn(shape, generator=generator).to(device)
@@ -330,14 +330,14 @@ def simulate_packed_rollout(model: nn.Module, noises: list[torch.Tensor], texts,
     gradient: noises[i] [1, C, T_i, H_i, W_i], texts[i] [L_i, D] (bool masks [L_i]); each
     sample's re-noising draws from its own draws[i] (anchors / anchored as simulate_rollout's,
     per sample). Round c runs chunk c of every sample that has one through one packed KV cache
-    (VideoDiT.forward_chunk_packed), so each sample gets what its own rollout gives. `rounds`
+    (the packed chunk call, forward_chunk_packed), so each sample gets what its own rollout gives. `rounds`
     (>= the pack's chunks) is what every rank of a sharded model runs: a round with no chunk
     left runs the same forwards on a placeholder chunk and drops them (trainer.parallel.distributed.
     max_across_ranks agrees on it). Raises ValueError for an exit index outside the list.
     """
     if not 0 <= exit_index < len(sigmas):
         raise ValueError(f"exit index {exit_index} outside the {len(sigmas)}-step list")
-    chunk = model.cfg.causal_chunk_size
+    chunk = model.geometry.causal_chunk_frames
     with torch.no_grad():
         cache = model.new_packed_kv_cache(list(texts), list(text_masks))
         noisy_parts = [[] for _ in noises]

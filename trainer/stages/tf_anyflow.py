@@ -20,12 +20,14 @@ with the KV cache for a causal model, committing each finished chunk clean.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
 
 from trainer.diffusion import flow
+from trainer.models.registry import family_of
 from trainer.parallel.distributed import gather_across_ranks, sum_across_ranks
 from trainer.checkpoint.layout import CheckpointError
 from trainer.stages.base import WarmStartSource
@@ -487,7 +489,7 @@ class TFAnyFlowStage(FlowMatchingStage):
             # A pack's samples take their kinds by the same rule: every global_batch
             # consecutive samples of the stream hold the configured shares of each kind.
             return anyflow_pack_loss(self.train_model, batch, args, self.null_text,
-                                     self.null_mask, patch_size=self.model.config["patch_size"],
+                                     self.null_mask, patch_size=self.model.geometry.patch_size,
                                      draws=draws, positions=positions, global_batch=global_batch)
         return anyflow_batch_loss(self.train_model, batch, args, self.null_text,
                                   self.null_mask, num_tokens=self.tokens_per_sample,
@@ -498,26 +500,29 @@ class TFAnyFlowStage(FlowMatchingStage):
         return _merge_stats(stats)
 
     def warm_start_sources(self) -> list[WarmStartSource]:
-        """The FM (SFT) weights; a source without E_r (r_embedder.*) gets E_t's copy ("Two-time model")."""
-        return [dataclasses.replace(source, allow_missing=(*source.allow_missing, "r_embedder.*"))
+        """The FM (SFT) weights; a source without the second time input E_r (the family's
+        `second_time_keys`) gets E_t's copy (docs/algorithms.md, "Two-time model")."""
+        second = family_of(self.args).second_time_keys
+        return [dataclasses.replace(source, allow_missing=(*source.allow_missing, *second))
                 for source in super().warm_start_sources()]
 
     def after_warm_start(self, reports: dict[str, dict]) -> None:
-        """E_r := E_t when the source had no r_embedder.*; a source that holds them (a Stage1
-        checkpoint) keeps its E_r, and one holding only some of them is refused. Records which
-        in the report ("r_embedder": "copied from time_embedder" | "loaded")."""
+        """E_r := E_t when the source had no second time input; a source that holds it (a
+        Stage1 checkpoint) keeps its E_r, and one holding only some of its tensors is refused.
+        Records which in the report ("second_time": "copied from the first" | "loaded")."""
         report = reports["transformer"]
-        r_keys = {k for k in self.model.state_dict() if k.startswith("r_embedder.")}
+        patterns = family_of(self.args).second_time_keys
+        r_keys = {k for k in self.model.state_dict()
+                  if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
         missing_r = r_keys & set(report["missing"] + report["skipped_shape_mismatch"])
         if missing_r and missing_r != r_keys:
             raise CheckpointError(
-                f"warm start from {report['source']} holds only some of the r_embedder tensors "
-                f"(missing {sorted(missing_r)}); E_r must come whole from the source or be "
-                f"copied whole from E_t.")
+                f"warm start from {report['source']} holds only some of the second time "
+                f"input's tensors (missing {sorted(missing_r)}); E_r must come whole from the "
+                f"source or be copied whole from E_t.")
         if missing_r:
-            with torch.no_grad():
-                self.model.r_embedder.load_state_dict(self.model.time_embedder.state_dict())
-        report["r_embedder"] = "copied from time_embedder" if missing_r else "loaded"
+            self.model.init_second_time_from_first()
+        report["second_time"] = "copied from the first" if missing_r else "loaded"
         super().after_warm_start(reports)
 
 
@@ -602,7 +607,7 @@ def sample_flowmap(model: nn.Module, text: torch.Tensor, text_mask: torch.Tensor
     """Flow-map sampling ("Flow-map sampler"): latents of `shape` [B, C, T, H, W] after `steps` jumps.
 
     Grid sigma_k = S(1 - k/steps; shift); each step x <- x - (t - r) u(x, t, r). A causal
-    model (causal_chunk_size set) goes chunk by chunk through its KV cache and commits each
+    model (one with causal chunks) goes chunk by chunk through its KV cache and commits each
     finished chunk clean (t = r = 0); a bidirectional one denoises the whole clip. guidance w
     != 1 applies u + w (c - u) with cond and uncond batched (a guidance-fused model samples
     with w = 1). first_frame [B, C, F0, H, W] stays clean. The noise comes from `generator`
@@ -618,7 +623,7 @@ def sample_flowmap(model: nn.Module, text: torch.Tensor, text_mask: torch.Tensor
         x[:, :, :clean] = first_frame.to(x)
     if guidance != 1.0:
         text, text_mask = _cfg_text(text, text_mask, null_text, null_mask)
-    chunk = model.config["causal_chunk_size"]
+    chunk = model.geometry.causal_chunk_frames
     to_model = param.dtype
 
     if chunk is None:

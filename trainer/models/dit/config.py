@@ -11,15 +11,13 @@ import difflib
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-__all__ = ["ATTENTION_BACKENDS", "DiTConfig", "MODEL_CONFIG_DEFAULTS", "NUM_TRAIN_TIMESTEPS"]
+__all__ = ["DiTConfig", "MODEL_CONFIG_DEFAULTS", "TIME_FREQ_DIM", "dit_geometry"]
 
-# The model sees raw timesteps N * sigma in [0, N] (docs/algorithms.md, "Notation and conventions").
-NUM_TRAIN_TIMESTEPS = 1000
+from trainer.diffusion.timesteps import NUM_TRAIN_TIMESTEPS  # noqa: F401  (re-exported)
+from trainer.models.backends import ATTENTION_BACKENDS
+from trainer.models.family import Geometry
 
-# Every `attention_backend` value (trainer.models.attention routes each form of attention to a kernel
-# that computes it: auto = the fastest one that runs here). Kept torch-free so the login node
-# checks a config; trainer.models.attention uses this tuple.
-ATTENTION_BACKENDS = ("auto", "sdpa", "fa4", "flash_attn")
+TIME_FREQ_DIM = 256  # width of the sinusoidal timestep features fed to the time MLPs
 
 
 @dataclass
@@ -112,27 +110,24 @@ class DiTConfig:
                 raise ValueError(f"unknown {where} key {key!r}{hint}")
         return cls(**kwargs)
 
-    @classmethod
-    def from_overrides(cls, overrides: dict[str, Any] | None, zero_init_modulation: bool = True) -> "DiTConfig":
-        """The config for a `transformer_config_overrides` mapping plus the top-level switch.
-
-        Raises ValueError for an unknown key (naming the closest valid one), for
-        zero_init_modulation inside the overrides (it is a top-level setting), or an invalid value.
-        """
-        overrides = dict(overrides or {})
-        if "zero_init_modulation" in overrides:
-            raise ValueError(
-                "zero_init_modulation is a top-level setting, not a transformer_config_overrides key"
-            )
-        return cls.from_kwargs({**overrides, "zero_init_modulation": zero_init_modulation},
-                               where="transformer_config_overrides")
-
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable dict (tuples as lists); `VideoDiT(**d)` rebuilds the same model."""
         d = asdict(self)
         d["patch_size"] = list(self.patch_size)
         d["rope_axes_dim"] = list(self.rope_axes_dim)
         return d
+
+
+def dit_geometry(config: dict[str, Any]) -> Geometry:
+    """The geometry (trainer.models.family.Geometry) of a complete DiT config dict."""
+    h, heads = config["hidden_size"], config["num_attention_heads"]
+    return Geometry(
+        patch_size=tuple(config["patch_size"]), num_heads=heads, head_dim=h // heads,
+        hidden_size=h, num_layers=config["num_layers"], latent_channels=config["in_channels"],
+        out_channels=config.get("out_channels") or config["in_channels"],
+        text_dim=config["text_dim"], causal_chunk_frames=config.get("causal_chunk_size"),
+        two_time=bool(config.get("two_time")),
+        time_gate=float(config["time_gate"]) if config.get("two_time") else None)
 
 
 def _require_int(name: str, value: Any, low: int) -> None:

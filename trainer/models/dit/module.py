@@ -55,11 +55,10 @@ import torch.nn.functional as F
 
 from trainer.models.attention import (AttentionPlan, ChunkLayout, attend, block_causal_mask,
                                plan_attention, plan_packed, teacher_forcing_mask)
-from trainer.models.dit.config import DiTConfig
+from trainer.models.dit.config import TIME_FREQ_DIM, DiTConfig, dit_geometry
 
 __all__ = ["KVCache", "PackedKVCache", "VideoDiT", "timestep_features"]
 
-TIME_FREQ_DIM = 256  # width of the sinusoidal timestep features fed to the time MLPs
 
 
 # --------------------------------------------------------------------------------------------
@@ -440,20 +439,40 @@ class VideoDiT(nn.Module):
         """The full constructor arguments as a JSON-serialisable dict (for checkpoints)."""
         return self.cfg.to_dict()
 
-    def enable_two_time(self, gate: float = 0.25) -> None:
-        """Adds E_r = deep copy of E_t (docs/algorithms.md, "Two-time model"), so e(t, t) = E_t(t) right after.
+    @property
+    def geometry(self):
+        """Patch size, heads, widths and the causal / two-time settings (trainer.models.family)."""
+        return dit_geometry(self.config)
 
-        Call after loading the flow-matching weights. Raises RuntimeError if already two-time,
-        ValueError for a gate outside [0, 1].
-        """
-        if self.r_embedder is not None:
-            raise RuntimeError("two-time conditioning is already enabled; r_embedder would be overwritten")
-        if not 0.0 <= gate <= 1.0:
-            raise ValueError(f"gate must be in [0, 1], got {gate!r}")
-        self.r_embedder = copy.deepcopy(self.time_embedder)
-        self.time_gate.fill_(float(gate))
-        self.cfg.two_time = True
-        self.cfg.time_gate = float(gate)
+    def init_second_time_from_first(self) -> None:
+        """E_r := E_t (docs/algorithms.md, "Two-time model"), so e(t, t) = E_t(t) right after:
+        the model with the flow-matching weights loaded is exactly that model at r = t.
+
+        Raises RuntimeError on a single-time model (it has no E_r)."""
+        if self.r_embedder is None:
+            raise RuntimeError("the model is single-time (two_time: false): it has no second "
+                               "time input to initialise")
+        with torch.no_grad():
+            self.r_embedder.load_state_dict(self.time_embedder.state_dict())
+
+    # ---- how relay shards, checkpoints, compiles and splits it (trainer.models.protocol) ------
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """Each block's adaLN table, then the block: the model computes a block's table before
+        calling the block, outside its forward hooks, so the table is a unit of its own."""
+        return [unit for block in self.blocks for unit in (block.modulation, block)]
+
+    def checkpoint_units(self) -> list[nn.Module]:
+        return list(self.blocks)
+
+    def compile_blocks(self) -> None:
+        compile_transformer_blocks(self)
+
+    def attach_context_parallel(self, ulysses) -> None:
+        """Run context-parallel through `ulysses` (trainer.parallel.context_parallel.Ulysses):
+        the model splits and gathers the video tokens, every block trades tokens for heads."""
+        for module in (self, *self.blocks):
+            module.ulysses = ulysses
 
     # ---- shapes and inputs -----------------------------------------------------------------
 
@@ -510,8 +529,8 @@ class VideoDiT(nn.Module):
     def _conditioning(self, t: Any, r: Any, batch: int, frames: int, device) -> torch.Tensor:
         """Conditioning per patch-frame slot: [B, 1, D] or [B, T / pt, D]."""
         if r is not None and self.r_embedder is None:
-            raise ValueError("r was given but the model is single-time; call enable_two_time() "
-                             "or build it with two_time=True")
+            raise ValueError("r was given but the model is single-time: build it with "
+                             "two_time: true for a second time input")
         t_f = self._frame_times(t, batch, frames, "t", device)
         r_f = None if r is None else self._frame_times(r, batch, frames, "r", device)
         if r_f is not None and r_f.shape[1] != t_f.shape[1]:

@@ -1,0 +1,1 @@
+"""Model families defined by tests, registered only in the processes that import them."""

@@ -1,0 +1,179 @@
+"""The model-family interface: what the stages, preflight and the parallel code may know of a model.
+
+A family is one architecture (relay's DiT, a public model). It has two halves:
+
+- This module's `ModelFamily`, plain Python (no torch), for the login node and preflight: the
+  family's config (from `transformer_config_overrides` or a checkpoint directory's own
+  config.json), its capabilities, its geometry, parameter and FLOP counts, the bidirectional
+  teacher/critic config it implies, the weights of its second time input, and a state-dict
+  adapter to external layouts.
+- The module protocol (trainer.models.protocol): the calls the stages make on the built model,
+  and what FSDP2 shards, what compiles and where Ulysses attaches.
+
+A stage declares the capabilities it needs (trainer.stages.requirements); preflight refuses a
+family that lacks one before a job starts. Families register by name (trainer.models.registry)
+and a run picks one with `model_family`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+# What a family's module can do. A stage lists the ones it needs; preflight checks them.
+CAPABILITIES: dict[str, str] = {
+    "per_frame_times": "one time per latent frame (not only one per sample)",
+    "packed": "packed batches: samples of different shapes in one sequence",
+    "teacher_forcing": "block-causal teacher forcing over [clean | noisy] chunks",
+    "kv_cache": "chunk-by-chunk rollout through a KV cache",
+    "two_time": "a second time input (the flow map's r)",
+}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The shape facts of one config that code outside the family needs.
+
+    causal_chunk_frames: latent frames per causal chunk (None: a bidirectional model);
+    two_time: the config has a second time input; time_gate: how strongly it acts (None when
+    two_time is off)."""
+
+    patch_size: tuple[int, int, int]
+    num_heads: int
+    head_dim: int
+    hidden_size: int
+    num_layers: int
+    latent_channels: int
+    out_channels: int
+    text_dim: int
+    causal_chunk_frames: int | None = None
+    two_time: bool = False
+    time_gate: float | None = None
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters of one config: in all, in one block, and those Muon takes (2-D hidden
+    matrices inside blocks); `second_time` is what the second time input adds to `total`."""
+
+    total: int
+    per_block: int
+    muon: int
+    second_time: int = 0
+
+
+class StateDictAdapter:
+    """Key names between relay's module and an external layout (identity by default).
+
+    `to_relay(key)` is the module's key for an external one (None: the key has no counterpart
+    and is skipped); `from_relay(key)` the external key for a module key."""
+
+    def to_relay(self, key: str) -> str | None:
+        return key
+
+    def from_relay(self, key: str) -> str:
+        return key
+
+    def convert_to_relay(self, state: dict[str, Any]) -> dict[str, Any]:
+        out = {}
+        for key, value in state.items():
+            mapped = self.to_relay(key)
+            if mapped is not None:
+                out[mapped] = value
+        return out
+
+    def convert_from_relay(self, state: dict[str, Any]) -> dict[str, Any]:
+        return {self.from_relay(key): value for key, value in state.items()}
+
+
+class ModelFamily(ABC):
+    """One architecture, as everything outside its folder sees it (torch-free).
+
+    Subclasses set `name` and `capabilities`, and implement the abstract methods. `build`
+    imports the module half lazily, so the login node never imports torch through a family.
+    """
+
+    name: ClassVar[str]
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+    # fnmatch patterns of the weights of the second time input: a single-time model warm
+    # started from a two-time one drops them, a two-time one started from a single-time one
+    # initialises them from the first time input.
+    second_time_keys: ClassVar[tuple[str, ...]] = ()
+    # Name fragments of 2-D weights inside blocks that are not hidden matrices (Muon leaves them
+    # to AdamW): norms, modulation tables, embeddings.
+    non_hidden_name_parts: ClassVar[tuple[str, ...]] = ()
+
+    # -- config -----------------------------------------------------------------------------
+    @abstractmethod
+    def defaults(self) -> dict[str, Any]:
+        """Every constructor argument with its default (what the overrides start from)."""
+
+    @abstractmethod
+    def validate(self, config: dict[str, Any]) -> None:
+        """Raise ValueError saying what is wrong with a complete config."""
+
+    def config(self, overrides: dict[str, Any] | None, settings: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
+        """The complete config: defaults < `overrides` (transformer_config_overrides) < the
+        run settings the family reads (`settings`, e.g. zero_init_modulation). Raises ValueError
+        naming the closest valid key for an unknown one; does not validate values (`validate`)."""
+        defaults = self.defaults()
+        overrides = dict(overrides or {})
+        for key in overrides:
+            if key not in defaults:
+                close = difflib.get_close_matches(key, list(defaults), n=1, cutoff=0.5)
+                hint = f" Did you mean `{close[0]}`?" if close else ""
+                raise ValueError(
+                    f"unknown {self.name} model argument `{key}`.{hint} Valid: "
+                    f"{', '.join(sorted(defaults))}")
+        return {**defaults, **overrides, **self.settings_config(settings or {})}
+
+    def settings_config(self, settings: dict[str, Any]) -> dict[str, Any]:
+        """The config entries that come from top-level run settings rather than the overrides."""
+        return {}
+
+    def config_from_dir(self, path: str) -> dict[str, Any]:
+        """The config of a checkpoint directory's own config.json. Raises ValueError when this
+        family reads none, or the directory is not one of its checkpoints."""
+        raise ValueError(f"model family {self.name!r} reads no architecture from a directory; "
+                         f"give it in transformer_config_overrides")
+
+    # -- what a config is ---------------------------------------------------------------------
+    @abstractmethod
+    def geometry(self, config: dict[str, Any]) -> Geometry:
+        """Patch size, heads, widths, channels and the causal / two-time settings of `config`."""
+
+    @abstractmethod
+    def param_counts(self, config: dict[str, Any]) -> ParamCounts:
+        """Parameters of the model `config` builds (exact: a test holds it to the module's)."""
+
+    @abstractmethod
+    def forward_flops(self, config: dict[str, Any], video_tokens: int, text_tokens: int) -> float:
+        """Matmul FLOPs of one forward of one sample (2 x multiply-adds, attention included)."""
+
+    @abstractmethod
+    def bidirectional_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The teacher/critic config `config` implies: the same weights' layout, bidirectional,
+        single-time (Stage2's frozen teacher and trainable critic)."""
+
+    def setting_hint(self, what: str) -> str:
+        """How a user turns on `what` ("causal", "two_time", "single_time", "time_gate") in
+        this family's config: text for error messages."""
+        return f"set the {what} setting of the {self.name} model in transformer_config_overrides"
+
+    def state_dict_adapter(self, layout: str) -> StateDictAdapter:
+        """The key adapter between the module and an external `layout` ("relay" is identity).
+        Raises ValueError for a layout the family does not know."""
+        if layout == "relay":
+            return StateDictAdapter()
+        raise ValueError(f"model family {self.name!r} has no {layout!r} state-dict layout")
+
+    # -- the module half ------------------------------------------------------------------------
+    @abstractmethod
+    def build(self, config: dict[str, Any]):
+        """The module (trainer.models.protocol.FamilyModule) for `config`, on the CPU, in fp32."""
+
+    def missing_capabilities(self, needed) -> list[str]:
+        return [c for c in needed if c not in self.capabilities]
