@@ -711,10 +711,11 @@ def _check_argv_round_trip(where: str, config: str, argv: list[str], args, base:
 
 
 def weight_path_keys(args) -> list[str]:
-    """train.py keys that name weights to start from: every path key except output_dir."""
+    """train.py keys that name weights to start from: every path key except output_dir and
+    vae_path (a VAE directory, which preflight checks itself)."""
     from trainer.config.schema import ARGS
 
-    return [k for k, a in ARGS.items() if a.kind == "path" and k != "output_dir"
+    return [k for k, a in ARGS.items() if a.kind == "path" and k not in ("output_dir", "vae_path")
             and args.get(k) is not None]
 
 

@@ -3,6 +3,7 @@
 import warnings
 
 import pytest
+from fixtures.fastvideo_t2v import write_fastvideo_dataset
 
 from trainer.config.args import resolve_args
 from trainer.config.schema import ConfigError
@@ -26,7 +27,8 @@ output:
 
 
 def _config(tmp_path, text):
-    (tmp_path / "data").mkdir(exist_ok=True)
+    if not (tmp_path / "data").exists():  # videos and images for the default model (preflight reads them)
+        write_fastvideo_dataset(tmp_path / "data", 6, channels=3, text_dim=32)
     path = tmp_path / "c.yaml"
     path.write_text(text.format(data=tmp_path / "data", out=tmp_path / "out"))
     return str(path)

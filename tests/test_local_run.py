@@ -71,9 +71,11 @@ def test_run_trains_each_stage_in_turn_and_records_the_pipeline(tmp_path):
 
 
 def test_run_stops_at_the_first_failing_stage_with_a_clear_message(tmp_path):
-    bad = tmp_path / "bad-data"
-    bad.mkdir()
-    (bad / "shard-00000.parquet").write_bytes(b"not parquet at all")
+    from trainer.data.synthetic import ensure_dataset
+
+    # Readable data that passes every check before the job, too small for one batch of 4:
+    # the stage fails when its loader starts.
+    bad = ensure_dataset(tmp_path / "bad-data", 2, seed=0)
     proc = relay("run", str(pipeline(tmp_path, {"synthetic_data": False, "data_path": str(bad)})),
                  cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr

@@ -203,13 +203,36 @@ def test_production_example_renders_240_nodes_of_8_gpus():
     assert stage.resources.time_min == 48 * 60
 
 
+def _production_data(root: Path) -> Path:
+    """One sample of the production configs' data: a [16, 11, 90, 160] latent, a caption of
+    8 x 4096 (bfloat16, zeros), in relay's layout."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root.mkdir(parents=True)
+    latent, text = [16, 11, 90, 160], [8, 4096]
+    row = {"id": "p-0", "caption": "a clip",
+           "vae_latent_bytes": bytes(2 * 16 * 11 * 90 * 160), "vae_latent_shape": latent,
+           "vae_latent_dtype": "bfloat16", "text_embedding_bytes": bytes(2 * 8 * 4096),
+           "text_embedding_shape": text, "text_embedding_dtype": "bfloat16"}
+    pq.write_table(pa.Table.from_pylist([row]), root / "part-0.parquet")
+    return root
+
+
 def test_production_example_dry_runs_all_four_stages_at_240_nodes_of_8_gpus(tmp_path):
     data = yaml.safe_load((ROOT / "config/pipeline/production-example.yaml").read_text())
     data["root"] = str(tmp_path / "runs")
+    # The latents and the VAE live on the cluster's filesystem: one 41-frame 720p sample of
+    # the production shape, and a VAE directory of the model's 16 channels.
+    latents, vae = _production_data(tmp_path / "data"), tmp_path / "vae"
+    vae.mkdir()
+    (vae / "config.json").write_text(json.dumps({
+        "_class_name": "AutoencoderKLWan", "z_dim": 16, "latents_mean": [0.0] * 16,
+        "latents_std": [1.0] * 16}))
+    (vae / "diffusion_pytorch_model.safetensors").write_bytes(b"")
     for name, stage in data["stages"].items():
         stage["config"] = str(ROOT / stage["config"])
-        (tmp_path / f"data-{name}").mkdir()  # the latents live on the cluster's filesystem
-        stage.setdefault("overrides", {})["data_path"] = str(tmp_path / f"data-{name}")
+        stage.setdefault("overrides", {}).update(data_path=str(latents), vae_path=str(vae))
     path = write_pipeline(tmp_path, data)
     proc = subprocess.run([sys.executable, "-m", "launcher.cli", "submit", str(path), "--dry-run"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)

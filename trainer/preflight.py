@@ -97,6 +97,7 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
            "compile_transformer is set). Set legacy_eager_mode: true or remove the key.")
     _validate_data_keys(args)
     _validate_health_gate(args)
+    _validate_validation_decoder(args)
     if check_paths:
         _validate_placeholders(args)
         _validate_paths(args)
@@ -229,6 +230,19 @@ def _validate_vae(args: ResolvedArgs) -> None:
                f"got {settings.get(key)}.")
 
 
+def _validate_validation_decoder(args: ResolvedArgs) -> None:
+    """Validation decodes its samples through vae_path, or reads 3-channel latents as pixels
+    (the identity VAE of the embedded data): other latents with no VAE cannot be decoded."""
+    channels = model_config(args)["in_channels"]
+    _check(args.validation_interval < 0 or args.vae_path is not None or channels == 3,
+           f"validation (validation_interval {args.validation_interval}: "
+           f"{'at the end of the run' if args.validation_interval == 0 else 'every %d steps and at the end' % args.validation_interval}) "
+           f"would decode {channels}-channel latents with no VAE: vae_path is null, and the "
+           f"identity VAE reads only 3-channel latents as pixels. Set vae_path to the "
+           f"AutoencoderKLWan directory the data was encoded with, or validation_interval: -1 "
+           f"to train without validation.")
+
+
 def _validate_caption_source(args: ResolvedArgs) -> None:
     """Data without caption embeddings needs a real text encoder to encode its captions."""
     from trainer.data.index import data_stores_text_embeddings
@@ -249,11 +263,9 @@ def _validate_paths(args: ResolvedArgs) -> None:
     _validate_text_encoder(args)
     _validate_vae(args)
     if args.data_path is not None and not args.synthetic_data:
-        dirs = [args.data_path] if isinstance(args.data_path, str) else list(args.data_path)
-        for directory in dirs:
-            _check(Path(directory).is_dir(),
-                   f"data_path {directory} does not exist. Check the path, or generate the "
-                   f"embedded data with synthetic_data: true.")
+        from trainer.data.checks import check_data
+
+        check_data(args)  # footers, shapes, a sample of bytes: every problem in one ConfigError
         _validate_caption_source(args)
     # A warm-start path may be produced by an earlier stage of the same pipeline, so its
     # existence is checked at train time (and by `relay submit` only for stages run alone).
@@ -398,7 +410,10 @@ def describe_plan(args: ResolvedArgs, world_size: int, ranks_per_node: int | Non
 
     mesh = _mesh(args, world_size, ranks_per_node)
     accum = args.gradient_accumulation_steps
-    budget = args.packing_token_budget
+    from trainer.data.checks import batching as data_batching
+
+    batching = data_batching(args)  # stacked, packing_token_budget, or a budget from the data
+    budget = batching.budget
     cfg = model_config(args)
     video = _video_tokens(args, cfg)
     estimate = estimate_memory(
@@ -412,17 +427,18 @@ def describe_plan(args: ResolvedArgs, world_size: int, ranks_per_node: int | Non
                  f"{accum} x dp {mesh.dp_world} = {args.train_batch_size * accum * mesh.dp_world} "
                  f"samples a step")
     else:  # trainer.data.order.BatchPlan: a micro-batch is one pack
-        batch = (f"global batch: 1 pack of <= {budget} joint tokens (packing_token_budget; "
-                 f"train_batch_size is not used) x gradient accumulation {accum} x dp "
-                 f"{mesh.dp_world} = {accum * mesh.dp_world} packs a step")
-    lines = [f"topology: {mesh.describe()}", batch,
+        source = ("derived from the data" if batching.derived
+                  else "packing_token_budget; train_batch_size is not used")
+        batch = (f"global batch: 1 pack of <= {budget} joint tokens ({source}) x gradient "
+                 f"accumulation {accum} x dp {mesh.dp_world} = {accum * mesh.dp_world} packs a step")
+    lines = [f"topology: {mesh.describe()}", batch, batching.line,
              "memory per GPU (estimate, trainer.parallel.memory_estimate):", estimate.describe()]
     if video is None and budget is None:
         lines.append("  (activations left out: the data's latent shape is not readable here)")
     text = "\n".join(lines)
     if args.gpu_memory_gib is not None and estimate.total_gib > args.gpu_memory_gib:
         fix = ("enable_gradient_checkpointing, lower train_batch_size" if budget is None
-               else f"enable_gradient_checkpointing, {_budget_that_fits(args, estimate)}")
+               else f"enable_gradient_checkpointing, {_budget_that_fits(args, estimate, budget)}")
         raise ConfigError(
             f"stage {args.stage} does not fit the GPU: ~{estimate.total_gib:.1f} GiB per GPU "
             f"needed, gpu_memory_gib is {args.gpu_memory_gib:g}.\n{text}\nShard over more "
@@ -431,11 +447,11 @@ def describe_plan(args: ResolvedArgs, world_size: int, ranks_per_node: int | Non
     return text
 
 
-def _budget_that_fits(args: ResolvedArgs, estimate) -> str:
+def _budget_that_fits(args: ResolvedArgs, estimate, budget: int) -> str:
     """The advice on packing_token_budget when a pack does not fit: activations grow in
     proportion to the budget, so the room left after everything else scales it down."""
     room = args.gpu_memory_gib - (estimate.total_gib - estimate.activations_gib)
-    largest = int(args.packing_token_budget * room / estimate.activations_gib) if room > 0 else 0
+    largest = int(budget * room / estimate.activations_gib) if room > 0 else 0
     if largest < 1:
         return ("lower packing_token_budget (though no budget fits: the states, working set "
                 "and overhead alone exceed gpu_memory_gib)")
