@@ -56,3 +56,20 @@ def test_relative_links_in_the_docs_reach_a_file():
             if not (page.parent / path).exists():
                 broken.append(f"{page.relative_to(ROOT)}: ]({target})")
     assert not broken, "relative links to files that do not exist:\n" + "\n".join(broken)
+
+
+MODULE_PATH = re.compile(r"`((?:launcher|trainer)/[\w/]*\.py)`")
+
+
+def test_layout_md_names_every_module():
+    """docs/layout.md names every module of launcher/ and trainer/ (package __init__.py files
+    aside) by its path, and every module path it names exists."""
+    text = (ROOT / "docs" / "layout.md").read_text(encoding="utf-8")
+    named = set(MODULE_PATH.findall(text))
+    modules = {path.relative_to(ROOT).as_posix()
+               for package in ("launcher", "trainer") for path in (ROOT / package).rglob("*.py")
+               if path.name != "__init__.py" and "__pycache__" not in path.parts}
+    missing = sorted(modules - named)
+    gone = sorted(path for path in named if not (ROOT / path).is_file())
+    assert not missing, "modules docs/layout.md does not name:\n" + "\n".join(missing)
+    assert not gone, "module paths in docs/layout.md that do not exist:\n" + "\n".join(gone)
