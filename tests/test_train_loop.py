@@ -108,8 +108,10 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step_and_leaves_checkpoints_
     nan_data = tmp_path / "nan-data"
     _write_nan_copy(tiny_trainer.data_path, nan_data)
 
-    # Resumes from checkpoint-2 (same data size and cursor), then meets NaN latents at step 3.
-    proc = tiny_trainer.run(out, "--synthetic_data", "false", "--data_path", str(nan_data))
+    # Resumes from checkpoint-2 (same data size and cursor; the data changed on purpose), then
+    # meets NaN latents at step 3.
+    proc = tiny_trainer.run(out, "--synthetic_data", "false", "--data_path", str(nan_data),
+                            "--allow_data_change", "true")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "non-finite loss=nan" in proc.stderr and "at step 3;" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -138,6 +138,8 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
     if args.deterministic:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
+    # A resume that cannot continue its data exactly is refused before a model exists.
+    data = run_state.check_resume(args, topo, out)
     stage = build_stage(args, topo)
     # Training draws are keyed by sample (trainer.diffusion.sample_draws); what still uses the global
     # generator (Stage2's rollout noise) differs per data-parallel rank, and is the same on
@@ -145,7 +147,7 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
     torch.manual_seed(args.seed + 1_000_003 * (topo.dp_rank + 1))
     manager = ckpt.CheckpointManager(out, save_total_limit=args.save_total_limit,
                                      async_save=args.async_checkpoint)
-    start_step, resumed = run_state.resume_or_warm_start(args, topo, out, stage)
+    start_step, resumed = run_state.resume_or_warm_start(args, topo, out, stage, data)
     result.update(step=start_step, last_checkpoint=resumed)
     if topo.is_main:  # only now: a run that fails to start leaves the previous run's files
         write_json(out / "resolved-config.json", dict(args))
@@ -192,7 +194,7 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
             if (preempted or unhealthy or step % args.save_interval == 0
                     or step == args.max_steps):
                 with interrupts_deferred():
-                    result["last_checkpoint"] = run_state.save(manager, args, topo, stage, step)
+                    result["last_checkpoint"] = run_state.save(manager, args, topo, stage, step, data)
                 last_saved = step
             if unhealthy:
                 status = "failed"
@@ -207,7 +209,7 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
                 break
         if last_saved != step:
             with interrupts_deferred():
-                result["last_checkpoint"] = run_state.save(manager, args, topo, stage, step)
+                result["last_checkpoint"] = run_state.save(manager, args, topo, stage, step, data)
     finally:
         manager.close()
         progress.close()

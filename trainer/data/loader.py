@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainer.data.order import BatchPlan
+from trainer.data.resume import position_problem
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class DistributedBatchIterator:
         self.seed, self.drop_last, self.token_budget = int(seed), bool(drop_last), token_budget
         self.num_workers, self.prefetch_factor = int(num_workers), int(prefetch_factor)
         self.pin_memory, self.reset_streams = bool(pin_memory), tuple(reset_streams)
+        self.grad_accum = int(grad_accum)
         self.cursor = self.plan.initial_cursor()
         self._batches = None  # the DataLoader iterator, started at self.cursor on first use
 
@@ -181,17 +183,27 @@ class DistributedBatchIterator:
         """The cursor as a JSON-serialisable dict: enough to continue with the same batches."""
         return {"seed": self.seed, "cursor": self.cursor, **self._identity()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, *, data_changed: bool = False) -> None:
         """Continue from a saved cursor: the next batches are those the saved iterator would
         have produced (its seed is adopted), except streams named in reset_streams, which start
         again at epoch 0.
 
+        `data_changed` (or a "data_changed": true key in `state`, which passes through wrappers
+        such as the cp group's): the data is not the data the cursor was saved on, and the user
+        allowed continuing anyway (allow_data_change): each stream keeps its epoch and sample position,
+        now in the new data's order (the next epoch when the new one is shorter), and the log
+        says where it continues.
+
         Raises ValueError if the saved topology, batch size, token budget, drop_last or data
         sizes differ from this iterator's: the saved position would mean other samples.
         """
+        state = dict(state)
+        data_changed = bool(state.pop("data_changed", False)) or data_changed  # the key: through wrappers
         state = _upgrade_legacy_state(state)
         mine = self._identity()
         state = self._onto_this_split(state, mine)
+        if data_changed:
+            state = self._onto_changed_data(state, mine)
         for key, value in mine.items():
             if key in state and state[key] != value:
                 raise ValueError(
@@ -220,20 +232,47 @@ class DistributedBatchIterator:
         saved = (state.get("dp_world"), state.get("batch_size"))
         if saved == (self.dp_world, self.batch_size) or self.token_budget or "cursor" not in state:
             return state
+        problem = position_problem(state, dp_world=self.dp_world, batch_size=self.batch_size,
+                                   grad_accum=self.grad_accum, token_budget=self.token_budget,
+                                   checkpoint="the data cursor", check_epochs=False)
+        if problem:
+            raise ValueError(problem)
         streams = {}
         for name, place in state["cursor"]["streams"].items():
             seen = int(place["position"]) * int(state["dp_world"])
-            if seen % self.dp_world:
-                raise ValueError(
-                    f"the saved data position ({seen} {name} samples into epoch "
-                    f"{place['epoch']}) does not split over {self.dp_world} ranks; resume with "
-                    f"a number of data-parallel ranks that divides it")
             streams[name] = {"epoch": int(place["epoch"]), "position": seen // self.dp_world}
         log.warning("data cursor saved with dp_world %s, batch_size %s; resumed at the same "
                     "sample position with dp_world %d, batch_size %d", *saved, self.dp_world,
                     self.batch_size)
         return {**state, "dp_rank": mine["dp_rank"], "dp_world": mine["dp_world"],
                 "batch_size": mine["batch_size"],
+                "cursor": {"batch": int(state["cursor"]["batch"]), "streams": streams}}
+
+    def _onto_changed_data(self, state: dict, mine: dict) -> dict:
+        """A cursor saved on other data, restated for this data: the sizes are this data's,
+        every stream keeps its epoch and position (a position past the new epoch's end moves
+        to the next epoch), a stream the cursor lacks starts at the top. Logs where each
+        stream continues."""
+        if "cursor" not in state:
+            return state
+        saved_streams = state["cursor"]["streams"]
+        streams = {}
+        for name in self.plan.streams:
+            place = saved_streams.get(name, {"epoch": 0, "position": 0})
+            epoch, position = int(place["epoch"]), int(place["position"])
+            if position > self.plan.per_rank[name]:
+                epoch, position = epoch + 1, 0
+            streams[name] = {"epoch": epoch, "position": position}
+            log.warning(
+                "data changed since the checkpoint (allow_data_change: true): the %s stream "
+                "continues in epoch %d at sample %d of the new data's order (%d samples an "
+                "epoch, was %s; %d in the stream, was %s), shuffled with seed %s",
+                name, epoch, position * self.dp_world, mine["epoch_lengths"][name],
+                (state.get("epoch_lengths") or {}).get(name, "unknown"),
+                mine["stream_sizes"][name], (state.get("stream_sizes") or {}).get(name, "unknown"),
+                state.get("seed", self.seed))
+        return {**state, "dataset_size": mine["dataset_size"], "stream_sizes": mine["stream_sizes"],
+                "epoch_lengths": mine["epoch_lengths"],
                 "cursor": {"batch": int(state["cursor"]["batch"]), "streams": streams}}
 
 
