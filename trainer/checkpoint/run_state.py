@@ -122,7 +122,10 @@ def _check_newest_checkpoint(args: ResolvedArgs, topo: Topology,
                  "by its sizes only", path.name)
     if refusal is None and isinstance(cursor, dict) and "cursor" in cursor:
         dp_world = int(cursor.get("dp_world", info.get("dp_world", 1)))
-        cursor = {**cursor, "dp_world": dp_world}
+        streams = dict(cursor["cursor"].get("streams", {}))
+        if not args.resume_video_csv:
+            streams.pop("video", None)  # it restarts from the top: its position does not matter
+        cursor = {**cursor, "dp_world": dp_world, "cursor": {**cursor["cursor"], "streams": streams}}
         problem = position_problem(
             cursor, dp_world=topo.dp_world, batch_size=args.train_batch_size,
             grad_accum=args.gradient_accumulation_steps, token_budget=args.packing_token_budget,
