@@ -75,7 +75,7 @@ def test_a_missing_warm_start_path_is_fine_when_the_run_resumes_its_own_checkpoi
 
 def test_a_context_parallel_split_that_does_not_divide_is_refused_with_its_arithmetic(tmp_path):
     # heads: 4 do not split over 3 ranks
-    refused(dry_run(tmp_path, "--cp_size", "3"), "num_attention_heads (4)", "4 / 3 = 1.33333")
+    refused(dry_run(tmp_path, "--cp_size", "3"), "attention heads (4)", "4 / 3 = 1.33333")
     # the world: one process cannot hold a cp group of 2
     refused(dry_run(tmp_path, "--cp_size", "2"), "world size 1 is not divisible by cp_size 2")
     # the frames: 12 x 12 pixels in 4 x 4 patches are 9 tokens a frame, which 2 ranks cannot share

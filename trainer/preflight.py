@@ -17,8 +17,8 @@ from pathlib import Path
 
 from trainer.config import stage_checks
 from trainer.checkpoint.layout import CheckpointError, list_checkpoints
-from trainer.models.dit.config import MODEL_CONFIG_DEFAULTS, DiTConfig
-from trainer.config.schema import ARGS, ConfigError, ResolvedArgs, closest_key, model_config
+from trainer.config.schema import ARGS, ConfigError, ResolvedArgs
+from trainer.models.registry import family_of, model_config
 from trainer.checkpoint.weights_source import resolve_weights_source
 
 # What example configs write where a user must put their own value.
@@ -45,12 +45,9 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
     check_weights: the weights a warm start would read exist (train.py and a stage run alone;
     a pipeline checks its own chain, where an earlier stage may still have to write them).
     """
-    overrides = args.transformer_config_overrides
     _check(args.output_dir is not None,
            "`output_dir` is not set. Set it in the YAML's output section or with --output_dir.")
-    _check("zero_init_modulation" not in overrides,
-           "`zero_init_modulation` is repeated inside transformer_config_overrides. It is a "
-           "top-level key only: move it out of the overrides.")
+    _validate_model(args)
     if args.pretrained_transformer_path is not None and not args.load_transformer_weights:
         raise ConfigError(
             "`pretrained_transformer_path` is set but `load_transformer_weights` is false, so the "
@@ -108,7 +105,6 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
            "`use_dedicated_gradient_checkpointing` is true but `enable_gradient_checkpointing` "
            "is false, so it would be ignored. Set enable_gradient_checkpointing: true (it "
            "selects which activations the checkpointed blocks keep), or turn it off.")
-    _validate_model_overrides(args)
     _validate_topology(args, world_size)
     stage_checks.validate_stage(args)
     if args.report_to == "wandb":
@@ -186,10 +182,11 @@ def _validate_text_encoder(args: ResolvedArgs) -> None:
            f"transformers encoder (config.json). Point it at the encoder's local directory.")
     settings = _read_json("text_encoder", config)
     width = settings.get("hidden_size", settings.get("d_model"))
-    text_dim = model_config(args)["text_dim"]
+    text_dim = _geometry(args).text_dim
     _check(width == text_dim,
-           f"`text_encoder` {args.text_encoder} gives {width}-wide embeddings but the model's "
-           f"text_dim is {text_dim}. Set text_dim: {width} in transformer_config_overrides.")
+           f"`text_encoder` {args.text_encoder} gives {width}-wide embeddings but the model "
+           f"reads {text_dim}-wide captions. Set the model's caption width to {width} in "
+           f"transformer_config_overrides.")
     layers = settings.get("num_hidden_layers", settings.get("num_layers"))
     _check(layers is None or args.text_encoder_hidden_state_skip_layer < layers,
            f"`text_encoder_hidden_state_skip_layer` ({args.text_encoder_hidden_state_skip_layer}) "
@@ -220,10 +217,10 @@ def _validate_vae(args: ResolvedArgs) -> None:
     _check(any(directory.glob("*.safetensors")) or any(directory.glob("*.bin")),
            f"`vae_path` {directory} has a config.json but no weights (*.safetensors or *.bin).")
     channels = settings.get("z_dim")
-    in_channels = model_config(args)["in_channels"]
+    in_channels = _geometry(args).latent_channels
     _check(channels == in_channels,
-           f"`vae_path` {directory} makes {channels}-channel latents but the model's in_channels "
-           f"is {in_channels}: the VAE must be the one the data was encoded with.")
+           f"`vae_path` {directory} makes {channels}-channel latents but the model takes "
+           f"{in_channels} latent channels: the VAE must be the one the data was encoded with.")
     for key in ("latents_mean", "latents_std"):
         _check(len(settings.get(key) or []) == channels,
                f"`vae_path` {config}: {key} needs {channels} values (one per latent channel), "
@@ -233,7 +230,7 @@ def _validate_vae(args: ResolvedArgs) -> None:
 def _validate_validation_decoder(args: ResolvedArgs) -> None:
     """Validation decodes its samples through vae_path, or reads 3-channel latents as pixels
     (the identity VAE of the embedded data): other latents with no VAE cannot be decoded."""
-    channels = model_config(args)["in_channels"]
+    channels = _geometry(args).latent_channels
     _check(args.validation_interval < 0 or args.vae_path is not None or channels == 3,
            f"validation (validation_interval {args.validation_interval}: "
            f"{'at the end of the run' if args.validation_interval == 0 else 'every %d steps and at the end' % args.validation_interval}) "
@@ -271,19 +268,23 @@ def _validate_paths(args: ResolvedArgs) -> None:
     # existence is checked at train time (and by `relay submit` only for stages run alone).
 
 
-def _validate_model_overrides(args: ResolvedArgs) -> None:
-    for key in args.transformer_config_overrides:
-        if key not in MODEL_CONFIG_DEFAULTS:
-            guess = closest_key(key, MODEL_CONFIG_DEFAULTS)
-            hint = f" Did you mean `{guess}`?" if guess else ""
-            raise ConfigError(
-                f"transformer_config_overrides: unknown model argument `{key}`.{hint} Valid: "
-                f"{', '.join(sorted(MODEL_CONFIG_DEFAULTS))}.")
+def _validate_model(args: ResolvedArgs) -> None:
+    """The model family exists and its config (defaults < transformer_config_overrides) is one
+    it can build; everything after this reads the config."""
     try:
-        DiTConfig(**model_config(args))  # the checks the model constructor would make
+        family = family_of(args)
+    except ValueError as exc:
+        raise ConfigError(f"{exc} Set model_family in the YAML's model section.") from None
+    try:
+        config = family.config(args.transformer_config_overrides, args)
+    except ValueError as exc:
+        raise ConfigError(f"transformer_config_overrides: {exc}.") from None
+    try:
+        family.validate(config)  # the checks the model constructor would make
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"transformer_config_overrides cannot build a model: {exc}. Fix the "
-                          f"architecture in the YAML's model section.") from None
+        raise ConfigError(f"transformer_config_overrides cannot build a model (model_family "
+                          f"{family.name}): {exc}. Fix the architecture in the YAML's model "
+                          f"section.") from None
 
 
 def _validate_placeholders(args: ResolvedArgs) -> None:
@@ -349,12 +350,12 @@ def _validate_context_parallel(args: ResolvedArgs) -> None:
     """What Ulysses needs of the model and the data (trainer.parallel.context_parallel): heads and the
     tokens of a latent frame split evenly over the cp group."""
     cp = args.cp_size
-    heads = model_config(args)["num_attention_heads"]
+    heads = _geometry(args).num_heads
     _check(heads % cp == 0,
-           f"num_attention_heads ({heads}) is not divisible by cp_size ({cp}): {heads} / {cp} = "
+           f"the model's attention heads ({heads}) are not divisible by cp_size ({cp}): {heads} / {cp} = "
            f"{heads / cp:g}. Ulysses gives every cp rank the same number of heads: pick a cp_size "
            f"that divides {heads}.")
-    grid = _patch_grid(args, model_config(args))
+    grid = _patch_grid(args)
     if cp == 1 or grid is None or args.packing_token_budget is not None:
         return  # a pack is padded to a multiple of cp_size by the model
     frames, rows, cols = grid
@@ -414,10 +415,9 @@ def describe_plan(args: ResolvedArgs, world_size: int, ranks_per_node: int | Non
 
     batching = data_batching(args)  # stacked, packing_token_budget, or a budget from the data
     budget = batching.budget
-    cfg = model_config(args)
-    video = _video_tokens(args, cfg)
+    video = _video_tokens(args)
     estimate = estimate_memory(
-        cfg, stage=args.stage, use_muon=args.use_muon, use_ema=args.use_ema,
+        family_of(args), model_config(args), stage=args.stage, use_muon=args.use_muon, use_ema=args.use_ema,
         shard_group=mesh.shard_group, cp=mesh.cp, batch_per_rank=args.train_batch_size,
         video_tokens=video or 0, text_tokens=args.text_max_tokens,
         checkpointing=args.enable_gradient_checkpointing,
@@ -458,18 +458,23 @@ def _budget_that_fits(args: ResolvedArgs, estimate, budget: int) -> str:
     return f"lower packing_token_budget to at most ~{largest} (the activations scale with it)"
 
 
-def _video_tokens(args: ResolvedArgs, cfg: dict) -> int | None:
+def _geometry(args: ResolvedArgs):
+    return family_of(args).geometry(model_config(args))
+
+
+def _video_tokens(args: ResolvedArgs) -> int | None:
     """Video tokens of one sample: from the synthetic settings, the first shard's latent shape
     or expected_latent_shape (None when none of them is known here)."""
-    grid = _patch_grid(args, cfg)
+    grid = _patch_grid(args)
     return None if grid is None else grid[0] * grid[1] * grid[2]
 
 
-def _patch_grid(args: ResolvedArgs, cfg: dict) -> tuple[int, int, int] | None:
+def _patch_grid(args: ResolvedArgs) -> tuple[int, int, int] | None:
     """(frames, rows, cols) of one sample's patches, known as _video_tokens says, or None."""
-    pt, ph, pw = cfg["patch_size"]
+    geometry = _geometry(args)
+    pt, ph, pw = geometry.patch_size
     if args.synthetic_data:
-        shape = (cfg["in_channels"], args.synthetic_num_frames, args.synthetic_height,
+        shape = (geometry.latent_channels, args.synthetic_num_frames, args.synthetic_height,
                  args.synthetic_width)
     else:
         shape = _first_latent_shape(args.data_path)

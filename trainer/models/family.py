@@ -10,8 +10,8 @@ A family is one architecture (relay's DiT, a public model). It has two halves:
 - The module protocol (trainer.models.protocol): the calls the stages make on the built model,
   and what FSDP2 shards, what compiles and where Ulysses attaches.
 
-A stage declares the capabilities it needs (trainer.stages.requirements); preflight refuses a
-family that lacks one before a job starts. Families register by name (trainer.models.registry)
+A stage declares the capabilities it needs (trainer.config.stage_checks.STAGE_CAPABILITIES);
+preflight refuses a family that lacks one before a job starts. Families register by name (trainer.models.registry)
 and a run picks one with `model_family`.
 """
 
@@ -101,9 +101,6 @@ class ModelFamily(ABC):
     # started from a two-time one drops them, a two-time one started from a single-time one
     # initialises them from the first time input.
     second_time_keys: ClassVar[tuple[str, ...]] = ()
-    # Name fragments of 2-D weights inside blocks that are not hidden matrices (Muon leaves them
-    # to AdamW): norms, modulation tables, embeddings.
-    non_hidden_name_parts: ClassVar[tuple[str, ...]] = ()
 
     # -- config -----------------------------------------------------------------------------
     @abstractmethod

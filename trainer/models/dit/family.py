@@ -20,7 +20,6 @@ class DiTFamily(ModelFamily):
     capabilities = frozenset({"per_frame_times", "packed", "teacher_forcing", "kv_cache",
                               "two_time"})
     second_time_keys = ("r_embedder.*",)
-    non_hidden_name_parts = ("norm", "modulation", "adaln", "embed")
 
     def defaults(self) -> dict[str, Any]:
         return {k: v for k, v in MODEL_CONFIG_DEFAULTS.items() if k != "zero_init_modulation"}
