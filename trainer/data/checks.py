@@ -276,12 +276,12 @@ def cached_scan(data_path, caption_tokens: int) -> DataScan:
 
 
 def model_widths(args) -> tuple[int, int, tuple[int, int, int]]:
-    """(latent channels, caption width, patch size) of the run's model, from the model config
-    preflight builds (the one place to repoint when the model config moves)."""
-    from trainer import preflight
+    """(latent channels, caption width, patch size) of the run's model: its family's geometry
+    of the run's model config (trainer.models.registry), as preflight reads it."""
+    from trainer.models.registry import family_of, model_config
 
-    config = preflight.model_config(args)
-    return int(config["in_channels"]), int(config["text_dim"]), tuple(config["patch_size"])
+    geometry = family_of(args).geometry(model_config(args))
+    return int(geometry.latent_channels), int(geometry.text_dim), tuple(geometry.patch_size)
 
 
 def sample_tokens(shape: np.ndarray, text_len: np.ndarray, patch_size) -> np.ndarray:
