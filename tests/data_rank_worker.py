@@ -25,7 +25,8 @@ def main() -> None:
     args, _ = resolve_args(["--data_path", data, "--output_dir", str(out), "--cp_size", cp,
                             "--transformer_config_overrides",
                             "{text_dim: 8, in_channels: 4, patch_size: [1, 2, 2]}",
-                            "--packing_token_budget", "60", "--packed_dataloader_num_workers", "2"])
+                            "--packing_token_budget", "60", "--packed_dataloader_num_workers", "2",
+                            "--validation_interval", "-1"])  # 4-channel latents, no VAE
     topo = init_distributed(args.cp_size, backend="gloo")
     iterator = build_data(args, topo)
     # Under cp only cp rank 0 holds a reader; it says for its group when the epoch is done.
