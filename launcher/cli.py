@@ -293,11 +293,22 @@ def _data_path(entries: list[str]):
     return mapping
 
 
+def _patch_size(ns: argparse.Namespace) -> tuple[int, int, int]:
+    """--patch-size, or the patch of the default model family's default config."""
+    if ns.patch_size is not None:
+        return tuple(ns.patch_size)
+    from trainer.config.schema import ARGS
+    from trainer.models.registry import get_family
+
+    family = get_family(ARGS["model_family"].default)
+    return family.geometry(family.config({})).patch_size
+
+
 def cmd_data_inspect(ns: argparse.Namespace) -> int:
     from trainer.data.report import format_inspect, inspect_data
 
     try:
-        report = inspect_data(_data_path(ns.data), patch_size=tuple(ns.patch_size), verify=ns.verify)
+        report = inspect_data(_data_path(ns.data), patch_size=_patch_size(ns), verify=ns.verify)
     except (OSError, ValueError, TypeError) as exc:
         print(f"relay data inspect: {exc}", file=sys.stderr)
         return 2
@@ -311,7 +322,7 @@ def cmd_data_plan(ns: argparse.Namespace) -> int:
     try:
         report = plan_rank(_data_path(ns.data), world_size=ns.world_size, cp_size=ns.cp_size,
                            seed=ns.seed, rank=ns.rank, batch_size=ns.batch_size,
-                           token_budget=ns.token_budget, patch_size=tuple(ns.patch_size),
+                           token_budget=ns.token_budget, patch_size=_patch_size(ns),
                            image_sample_prob=ns.image_sample_prob, batches=ns.batches)
     except (OSError, ValueError, TypeError) as exc:
         print(f"relay data plan: {exc}", file=sys.stderr)
@@ -346,8 +357,9 @@ def _add_data_verbs(sub) -> None:
         p.add_argument("data", nargs="+", metavar="DIR[:REPEAT]",
                        help="dataset directories (relay or FastVideo layout), each with an "
                             "optional repeat count, as data_path")
-        p.add_argument("--patch-size", type=int, nargs=3, default=[1, 2, 2],
-                       metavar=("PT", "PH", "PW"), help="patch size for token counts (default 1 2 2)")
+        p.add_argument("--patch-size", type=int, nargs=3, default=None,
+                       metavar=("PT", "PH", "PW"),
+                       help="patch size for token counts (default: the default model's)")
         p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
     p = data_sub.add_parser("inspect", help="rows, shards, shapes, token lengths, dtypes, bad rows")

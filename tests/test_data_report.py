@@ -53,7 +53,7 @@ def test_inspect_verify_lists_a_row_whose_bytes_are_short_and_exits_1(tmp_path, 
 def test_plan_lists_what_the_trainer_would_read(fastvideo_dir, capsys):
     code, out, _ = _relay(capsys, "data", "plan", str(fastvideo_dir), "--world-size", "4",
                           "--cp-size", "2", "--rank", "3", "--seed", "5", "--token-budget", "60",
-                          "--json", "--batches", "3")
+                          "--patch-size", "1", "2", "2", "--json", "--batches", "3")
     report = json.loads(out)
     plan = BatchPlan(SampleIndex(str(fastvideo_dir)), dp_rank=1, dp_world=2, seed=5,
                      token_budget=60, patch_size=(1, 2, 2))

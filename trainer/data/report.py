@@ -55,7 +55,7 @@ def _dtypes_and_byte_errors(path, verify: bool) -> tuple[Counter, list[BadRow]]:
     return dtypes, bad
 
 
-def inspect_data(data_path, *, patch_size=(1, 2, 2), verify: bool = False) -> dict:
+def inspect_data(data_path, *, patch_size: tuple[int, int, int], verify: bool = False) -> dict:
     """A summary of a data_path: layouts, shards, rows, shapes, token lengths, dtypes, bad rows.
 
     Raises FileNotFoundError / ValueError as SampleIndex does.
