@@ -184,9 +184,8 @@ def _validate_text_encoder(args: ResolvedArgs) -> None:
     width = settings.get("hidden_size", settings.get("d_model"))
     text_dim = _geometry(args).text_dim
     _check(width == text_dim,
-           f"`text_encoder` {args.text_encoder} gives {width}-wide embeddings but the model "
-           f"reads {text_dim}-wide captions. Set the model's caption width to {width} in "
-           f"transformer_config_overrides.")
+           f"`text_encoder` {args.text_encoder} gives {width}-wide embeddings but the model's "
+           f"text_dim is {text_dim}. Set text_dim: {width} in transformer_config_overrides.")
     layers = settings.get("num_hidden_layers", settings.get("num_layers"))
     _check(layers is None or args.text_encoder_hidden_state_skip_layer < layers,
            f"`text_encoder_hidden_state_skip_layer` ({args.text_encoder_hidden_state_skip_layer}) "
@@ -219,8 +218,8 @@ def _validate_vae(args: ResolvedArgs) -> None:
     channels = settings.get("z_dim")
     in_channels = _geometry(args).latent_channels
     _check(channels == in_channels,
-           f"`vae_path` {directory} makes {channels}-channel latents but the model takes "
-           f"{in_channels} latent channels: the VAE must be the one the data was encoded with.")
+           f"`vae_path` {directory} makes {channels}-channel latents but the model's in_channels "
+           f"is {in_channels}: the VAE must be the one the data was encoded with.")
     for key in ("latents_mean", "latents_std"):
         _check(len(settings.get(key) or []) == channels,
                f"`vae_path` {config}: {key} needs {channels} values (one per latent channel), "
@@ -356,7 +355,7 @@ def _validate_context_parallel(args: ResolvedArgs) -> None:
            f"{heads / cp:g}. Ulysses gives every cp rank the same number of heads: pick a cp_size "
            f"that divides {heads}.")
     grid = _patch_grid(args)
-    if cp == 1 or grid is None or args.packing_token_budget is not None:
+    if cp == 1 or grid is None or _packs(args):
         return  # a pack is padded to a multiple of cp_size by the model
     frames, rows, cols = grid
     _check(rows * cols % cp == 0,
@@ -365,6 +364,13 @@ def _validate_context_parallel(args: ResolvedArgs) -> None:
            f"a sample). Ulysses keeps each frame's tokens, which share a time, in equal shares "
            f"on the cp ranks: pick a cp_size that divides {rows * cols}, or a resolution or "
            f"patch size whose frames split.")
+
+
+def _packs(args: ResolvedArgs) -> bool:
+    """Batches are packs: packing_token_budget is set, or the data's mixed shapes derive one."""
+    from trainer.data.checks import batching
+
+    return batching(args).budget is not None
 
 
 def _validate_topology(args: ResolvedArgs, world_size: int | None) -> None:
