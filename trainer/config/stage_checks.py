@@ -31,12 +31,15 @@ def validate_stage(args: ResolvedArgs) -> None:
 
 def _needs_of_the_data(args: ResolvedArgs) -> tuple[str, ...]:
     """Capabilities any stage needs for how these arguments batch and condition: packs (set, or
-    derived from data of mixed shapes) need packed forwards; conditioning frames (kept clean at t = 0) need a time per frame."""
+    derived from data of mixed shapes) need packed forwards; conditioning frames (kept clean at t = 0) need a time per frame;
+    cp_size > 1 needs context parallel."""
     from trainer.data.checks import batching
 
     needs = ("packed",) if batching(args).budget is not None else ()
     if args.image_cond_prob > 0 or args.video_cond_prob > 0:
         needs += ("per_frame_times",)
+    if args.cp_size > 1:
+        needs += ("context_parallel",)
     return needs
 
 

@@ -29,6 +29,7 @@ CAPABILITIES: dict[str, str] = {
     "teacher_forcing": "block-causal teacher forcing over [clean | noisy] chunks",
     "kv_cache": "chunk-by-chunk rollout through a KV cache",
     "two_time": "a second time input (the flow map's r)",
+    "context_parallel": "context parallel (cp_size > 1: Ulysses splits the sequence over ranks)",
 }
 
 

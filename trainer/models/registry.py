@@ -49,8 +49,10 @@ def model_config(args) -> dict[str, Any]:
 
 def _register_builtin() -> None:
     from trainer.models.dit.family import DiTFamily
+    from trainer.models.wan.family import WanFamily
 
     register_family(DiTFamily())
+    register_family(WanFamily())
 
 
 _register_builtin()

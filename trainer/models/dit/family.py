@@ -18,7 +18,7 @@ class DiTFamily(ModelFamily):
 
     name = "dit"
     capabilities = frozenset({"per_frame_times", "packed", "teacher_forcing", "kv_cache",
-                              "two_time"})
+                              "two_time", "context_parallel"})
     second_time_keys = ("r_embedder.*",)
 
     def defaults(self) -> dict[str, Any]:

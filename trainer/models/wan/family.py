@@ -1,0 +1,247 @@
+"""The Wan2.1/2.2 text-to-video transformer as a model family (`model_family: wan`).
+
+Torch-free. The config keys are those of diffusers' `WanTransformer3DModel` (its
+transformer/config.json), plus relay's `attention_backend`; the defaults are Wan2.1-T2V-1.3B's.
+The module half, trainer.models.wan.module.WanTransformer, has diffusers' state-dict keys, so
+the "diffusers" layout is the identity; "original" is the layout of the Wan release
+(`self_attn.q`, `head.head`, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from trainer.models.backends import ATTENTION_BACKENDS
+from trainer.models.family import Geometry, ModelFamily, ParamCounts, StateDictAdapter
+from trainer.models.wan.config import (DIFFUSERS_CLASS, QK_NORM, WAN_DEFAULTS, rope_axes,
+                                      wan_geometry)
+
+
+class WanFamily(ModelFamily):
+    """`model_family: wan`: Wan's DiT with cross-attention to the caption, a time projection
+    shared by all blocks and a (6, D) scale/shift/gate table per block."""
+
+    name = "wan"
+    # Per-frame times come from the per-token time path Wan2.2 TI2V uses; packed batches,
+    # teacher forcing, the KV cache, a second time input and context parallel are not built.
+    capabilities = frozenset({"per_frame_times"})
+
+    def defaults(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in WAN_DEFAULTS.items()}
+
+    def validate(self, config: dict[str, Any]) -> None:
+        patch = config["patch_size"]
+        if isinstance(patch, (str, int)) or len(patch) != 3 or not all(_is_int(p, 1) for p in patch):
+            raise ValueError(f"patch_size must be three integers >= 1 (t, h, w), got {patch!r}")
+        for key in ("num_attention_heads", "attention_head_dim", "in_channels", "text_dim",
+                    "freq_dim", "ffn_dim", "num_layers", "rope_max_seq_len"):
+            if not _is_int(config[key], 1):
+                raise ValueError(f"{key} must be an integer >= 1, got {config[key]!r}")
+        if config["out_channels"] is not None and not _is_int(config["out_channels"], 1):
+            raise ValueError(f"out_channels must be an integer >= 1, got {config['out_channels']!r}")
+        if config["freq_dim"] % 2:
+            raise ValueError(f"freq_dim must be even (cos and sin halves), got {config['freq_dim']}")
+        head_dim = config["attention_head_dim"]
+        if head_dim % 2 or any(d <= 0 or d % 2 for d in rope_axes(head_dim)):
+            raise ValueError(f"attention_head_dim must be even and at least 8 (Wan's RoPE splits a "
+                             f"head into frame, row and column pairs), got {head_dim}")
+        if not isinstance(config["cross_attn_norm"], bool):
+            raise ValueError(f"cross_attn_norm must be true or false, got {config['cross_attn_norm']!r}")
+        if isinstance(config["eps"], bool) or not isinstance(config["eps"], (int, float)) \
+                or config["eps"] <= 0:
+            raise ValueError(f"eps must be a positive number, got {config['eps']!r}")
+        if config["qk_norm"] != QK_NORM:
+            raise ValueError(f"qk_norm {config['qk_norm']!r} is not supported: relay's wan module "
+                             f"implements only qk_norm: {QK_NORM}, as every Wan2.1/2.2 checkpoint has")
+        if config["image_dim"] is not None or config["added_kv_proj_dim"] is not None:
+            raise ValueError("image_dim / added_kv_proj_dim are set: this is a Wan image-to-video "
+                             "(I2V) transformer with an image encoder branch, which relay's wan "
+                             "module does not implement; use a text-to-video (T2V or TI2V) one")
+        if config["pos_embed_seq_len"] is not None:
+            raise ValueError("pos_embed_seq_len is set: this is a Wan first-last-frame (FLF2V) "
+                             "transformer, which relay's wan module does not implement")
+        if config["attention_backend"] not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend {config['attention_backend']!r} is unknown; "
+                             f"known: {', '.join(ATTENTION_BACKENDS)}")
+
+    def config_from_dir(self, path: str) -> dict[str, Any]:
+        """The config of a diffusers Wan pipeline directory (model_index.json + transformer/)
+        or of its transformer/ folder, from transformer/config.json. Raises ValueError for a
+        directory without one, or whose transformer is not a WanTransformer3DModel."""
+        root = Path(path)
+        if (root / "model_index.json").is_file() or (root / "transformer").is_dir():
+            if (root / "transformer_2").is_dir():
+                raise ValueError(
+                    f"{root} holds two transformers (transformer/ and transformer_2/: a Wan2.2 "
+                    f"A14B mixture of experts, the high-noise expert in transformer/ and the "
+                    f"low-noise one in transformer_2/). relay trains one expert as one model and "
+                    f"reads transformer/ only when it is given directly: give the path of the "
+                    f"expert to train, {root / 'transformer'} or {root / 'transformer_2'}, and "
+                    f"train the other as a run of its own")
+            root = root / "transformer"
+        file = root / "config.json"
+        if not file.is_file():
+            raise ValueError(f"{path} is not a diffusers Wan directory: {file} does not exist (give "
+                             f"a pipeline directory with model_index.json and transformer/, or its "
+                             f"transformer/ folder)")
+        try:
+            raw = json.loads(file.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{file} is not readable JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{file} is not a JSON object")
+        cls = raw.get("_class_name", DIFFUSERS_CLASS)
+        if cls != DIFFUSERS_CLASS:
+            raise ValueError(f"{file} describes a {cls}, not a {DIFFUSERS_CLASS}: the directory is "
+                             f"not a Wan transformer, so model_family wan cannot read it")
+        config = {k: v for k, v in raw.items() if not k.startswith("_")}
+        unknown = sorted(set(config) - set(WAN_DEFAULTS))
+        if unknown:
+            raise ValueError(f"{file} has keys relay's wan module does not know: {', '.join(unknown)}")
+        config = {**self.defaults(), **config}
+        config["patch_size"] = list(config["patch_size"])
+        self.validate(config)
+        return config
+
+    def geometry(self, config: dict[str, Any]) -> Geometry:
+        return wan_geometry(config)
+
+    def param_counts(self, config: dict[str, Any]) -> ParamCounts:
+        d = config["num_attention_heads"] * config["attention_head_dim"]
+        f = config["ffn_dim"]
+        patch = math.prod(config["patch_size"])
+        out = (config["out_channels"] or config["in_channels"]) * patch
+        attention = 4 * (d * d + d) + 2 * d  # q, k, v, out; RMSNorm on q and k
+        per_block = (2 * attention + (2 * d if config["cross_attn_norm"] else 0)
+                     + (d * f + f + f * d + d) + 6 * d)  # + FFN + the block's table
+        root = ((config["in_channels"] * patch * d + d)  # patch embedding
+                + (config["freq_dim"] * d + d + d * d + d)  # time MLP
+                + (d * 6 * d + 6 * d)  # the shared time projection
+                + (config["text_dim"] * d + d + d * d + d)  # text MLP
+                + (d * out + out) + 2 * d)  # proj_out, the output table
+        muon = config["num_layers"] * (8 * d * d + 2 * d * f)
+        return ParamCounts(total=root + config["num_layers"] * per_block, per_block=per_block,
+                           muon=muon)
+
+    def forward_flops(self, config: dict[str, Any], video_tokens: int, text_tokens: int) -> float:
+        """Per block: self-attention over the video, cross-attention from the video to the
+        caption (its K/V computed per block), the FFN; the same count as
+        benchmarks/flops.py's `wan_forward_flops` for diffusers' model."""
+        d = config["num_attention_heads"] * config["attention_head_dim"]
+        patch = math.prod(config["patch_size"])
+        out_channels = config["out_channels"] or config["in_channels"]
+        n, length = video_tokens, text_tokens
+        self_attention = 4 * _linear(n, d, d) + _attention(n, n, d)
+        cross_attention = 2 * _linear(n, d, d) + 2 * _linear(length, d, d) + _attention(n, length, d)
+        ffn = _linear(n, d, config["ffn_dim"]) + _linear(n, config["ffn_dim"], d)
+        embed = (_linear(n, config["in_channels"] * patch, d)
+                 + _linear(length, config["text_dim"], d) + _linear(length, d, d)
+                 + _linear(1, config["freq_dim"], d) + _linear(1, d, d) + _linear(1, d, 6 * d)
+                 + _linear(n, d, out_channels * patch))
+        return config["num_layers"] * (self_attention + cross_attention + ffn) + embed
+
+    def bidirectional_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        return dict(config)
+
+    def setting_hint(self, what: str) -> str:
+        return {
+            "causal": "the wan family has no causal form: train this stage with model_family: dit",
+            "two_time": "the wan family has no second time input: train this stage with "
+                        "model_family: dit",
+            "time_gate": "the wan family has no second time input: train this stage with "
+                         "model_family: dit",
+            "single_time": "the wan family is single-time already",
+        }.get(what, super().setting_hint(what))
+
+    def state_dict_adapter(self, layout: str) -> StateDictAdapter:
+        if layout in ("relay", "diffusers"):
+            return StateDictAdapter()
+        if layout == "original":
+            return OriginalWanAdapter()
+        raise ValueError(f"model family 'wan' has no {layout!r} state-dict layout; known: "
+                         f"relay, diffusers (the same keys), original (the Wan release's)")
+
+    def build(self, config: dict[str, Any]):
+        from trainer.models.wan.module import WanTransformer
+
+        self.validate(config)
+        return WanTransformer(config)
+
+
+# (relay/diffusers name, original Wan name): whole-key prefixes; the first that matches wins.
+_ROOT_NAMES = (
+    ("condition_embedder.time_embedder.linear_1.", "time_embedding.0."),
+    ("condition_embedder.time_embedder.linear_2.", "time_embedding.2."),
+    ("condition_embedder.text_embedder.linear_1.", "text_embedding.0."),
+    ("condition_embedder.text_embedder.linear_2.", "text_embedding.2."),
+    ("condition_embedder.time_proj.", "time_projection.1."),
+    ("proj_out.", "head.head."),
+    ("patch_embedding.", "patch_embedding."),
+)
+_BLOCK_NAMES = tuple(
+    (f"{relay}.{a}", f"{original}.{b}")
+    for relay, original in (("attn1", "self_attn"), ("attn2", "cross_attn"))
+    for a, b in (("to_q.", "q."), ("to_k.", "k."), ("to_v.", "v."), ("to_out.0.", "o."),
+                 ("norm_q.", "norm_q."), ("norm_k.", "norm_k."))
+) + (
+    # diffusers' norm2 (before the cross-attention) is the release's norm3, and the other way
+    # round; only the cross-attention norm has weights
+    ("norm2.", "norm3."),
+    ("norm3.", "norm2."),
+    ("ffn.net.0.proj.", "ffn.0."),
+    ("ffn.net.2.", "ffn.2."),
+)
+_BLOCK = re.compile(r"^blocks\.(\d+)\.(.*)$")
+
+
+class OriginalWanAdapter(StateDictAdapter):
+    """Keys of the Wan release (`blocks.0.self_attn.q.weight`, `head.modulation`, ...) to and
+    from relay's (= diffusers') keys; a ComfyUI-style `model.diffusion_model.` prefix is
+    dropped. A key of neither layout passes through unchanged, for strict loading to name it."""
+
+    PREFIX = "model.diffusion_model."
+
+    def to_relay(self, key: str) -> str | None:
+        key = key.removeprefix(self.PREFIX)
+        return _rename(key, {o: r for r, o in _ROOT_NAMES}, {o: r for r, o in _BLOCK_NAMES},
+                       ("head.modulation", "scale_shift_table"), ("modulation", "scale_shift_table"))
+
+    def from_relay(self, key: str) -> str:
+        return _rename(key, dict(_ROOT_NAMES), dict(_BLOCK_NAMES),
+                       ("scale_shift_table", "head.modulation"), ("scale_shift_table", "modulation"))
+
+
+def _rename(key: str, root: dict[str, str], block: dict[str, str], root_table: tuple[str, str],
+            block_table: tuple[str, str]) -> str:
+    if key == root_table[0]:
+        return root_table[1]
+    match = _BLOCK.match(key)
+    if match:
+        index, rest = match.groups()
+        if rest == block_table[0]:
+            return f"blocks.{index}.{block_table[1]}"
+        for source, target in block.items():
+            if rest.startswith(source):
+                return f"blocks.{index}.{target}{rest[len(source):]}"
+        return key
+    for source, target in root.items():
+        if key.startswith(source):
+            return target + key[len(source):]
+    return key
+
+
+def _is_int(value: Any, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _linear(tokens: int, fan_in: int, fan_out: int) -> int:
+    return 2 * tokens * fan_in * fan_out
+
+
+def _attention(queries: int, keys: int, width: int) -> int:
+    # scores (q k^T) and the weighted sum of values: 2 * queries * keys * head_dim per head each
+    return 2 * 2 * queries * keys * width
