@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures.fastvideo_t2v import write_fastvideo_dataset
 
 from trainer.config.args import resolve_args, resolve_config
 
@@ -29,7 +30,8 @@ output:
 
 
 def base_yaml(tmp_path, extra=""):
-    (tmp_path / "data").mkdir(exist_ok=True)
+    if not (tmp_path / "data").exists():  # samples the default model takes (preflight reads them)
+        write_fastvideo_dataset(tmp_path / "data", 6, channels=3, text_dim=32)
     return write(tmp_path, BASE.format(data=tmp_path / "data", out=tmp_path / "out") + extra)
 
 
@@ -131,7 +133,8 @@ def test_old_key_names_are_translated_with_warning(tmp_path):
 
 def test_dicts_lists_booleans_and_null(tmp_path):
     d1, d2 = tmp_path / "d1", tmp_path / "d2"
-    d1.mkdir(), d2.mkdir()
+    write_fastvideo_dataset(d1, 6, channels=3, text_dim=32)
+    write_fastvideo_dataset(d2, 6, channels=3, text_dim=32)
     cfg = write(tmp_path, f"""
 data:
   data_path: {{{d1}: 1, {d2}: 3}}
@@ -157,7 +160,7 @@ output:
 
 def test_omegaconf_interpolation_and_env(tmp_path, monkeypatch):
     monkeypatch.setenv("RELAY_TEST_OUT", str(tmp_path / "from-env"))
-    (tmp_path / "data").mkdir()
+    write_fastvideo_dataset(tmp_path / "data", 6, channels=3, text_dim=32)
     cfg = write(tmp_path, f"""
 data:
   data_path: {tmp_path / 'data'}
@@ -271,7 +274,7 @@ def test_missing_config_file_is_an_error(tmp_path):
 
 def test_relative_paths_become_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "data").mkdir()
+    write_fastvideo_dataset(tmp_path / "data", 6, channels=3, text_dim=32)
     cfg = write(tmp_path, "data:\n  data_path: data\noutput:\n  output_dir: runs/x\n")
     args = resolve(["--config", cfg])
     assert args.output_dir == str(tmp_path / "runs" / "x")
