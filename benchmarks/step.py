@@ -125,10 +125,10 @@ class FixedBatches:
 
 def relay_args(size: dict, mode: str, checkpointing: str, attention: str, workdir: str):
     """train.py's arguments for this run, through train.py's own parser."""
-    from trainer.config.args import resolve_args
+    from trainer.config.args import resolve_config
 
-    argv = ["--config", str(Path(__file__).resolve().parents[1] / "config/tiny/pretrain.yaml"),
-            "--transformer_config_overrides", json.dumps(relay_overrides(size, attention)),
+    config = str(Path(__file__).resolve().parents[1] / "config/tiny/pretrain.yaml")
+    argv = ["--transformer_config_overrides", json.dumps(relay_overrides(size, attention)),
             "--train_batch_size", "1", "--use_muon", "false", "--learning_rate", "1e-4",
             "--warmup_steps", "10", "--lr_scheduler_type", "constant", "--max_grad_norm", "1.0",
             "--cfg_drop_prob", "0", "--image_cond_prob", "0", "--video_cond_prob", "0",
@@ -136,9 +136,9 @@ def relay_args(size: dict, mode: str, checkpointing: str, attention: str, workdi
             "--compile_transformer", str(mode == "compiled").lower(),
             "--enable_gradient_checkpointing", str(checkpointing != "off").lower(),
             "--use_dedicated_gradient_checkpointing", str(checkpointing == "selective").lower(),
-            "--output_dir", workdir, "--data_path", workdir]
-    args, _ = resolve_args(argv)
-    return args
+            "--output_dir", workdir, "--data_path", workdir, "--validation_interval", "-1"]
+    # The step reads fixed in-memory batches (FixedBatches), never the data directory.
+    return resolve_config(config, argv, check_paths=False)
 
 
 def build_relay(size: dict, mode: str, checkpointing: str, attention: str, device, workdir: str):

@@ -92,12 +92,15 @@ def test_a_latent_off_the_patch_grid_is_refused():
 
 
 def _fm_args(tmp_path, **keys):
-    from trainer.config.args import resolve_args
+    from trainer.config.args import resolve_config
 
-    argv = ["--data_path", str(tmp_path), "--output_dir", str(tmp_path / "out"), "--cfg_drop_prob", "0"]
+    # The stage's arguments only: its batches are built here, so neither the data directory
+    # nor validation is read.
+    argv = ["--data_path", str(tmp_path), "--output_dir", str(tmp_path / "out"), "--cfg_drop_prob", "0",
+            "--validation_interval", "-1"]
     for key, value in keys.items():
         argv += [f"--{key}", str(value)]
-    return resolve_args(argv)[0]
+    return resolve_config(None, argv, check_paths=False)
 
 
 @pytest.mark.parametrize("keys", [{}, {"flow_snr_type": "lognorm", "train_timestep_shift_mode": "dynamic"}])

@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 
 from test_data_train import MODEL
-from trainer import train, vae
+from trainer import train
+from trainer.encoders import vae
 from trainer.config.args import resolve_args
 from trainer.build import build_stage
 from trainer.parallel.distributed import barrier, destroy, init_distributed

@@ -292,9 +292,11 @@ def test_usr2_to_every_rank_saves_requeues_and_resumes_without_losing_or_repeati
 
 def test_failed_stage_leaves_the_next_unrun_and_status_says_why(slurm_cluster, tmp_path):
     name = unique("relay-it-fail-")
-    bad_data = tmp_path / "bad-data"
-    bad_data.mkdir()
-    (bad_data / "shard-00000.parquet").write_bytes(b"this is not parquet")
+    from trainer.data.synthetic import ensure_dataset
+
+    # Readable data that passes every check before the job, too small for one batch: the
+    # stage fails on the compute node when its loader starts.
+    bad_data = ensure_dataset(tmp_path / "bad-data", 2, seed=0)
     pretrain = stage("pretrain", tmp_path, max_steps=4, synthetic_data=False,
                      data_path=str(bad_data))
     sft = stage("sft", tmp_path, max_steps=3,
