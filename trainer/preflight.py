@@ -18,6 +18,7 @@ from pathlib import Path
 from trainer.config import stage_checks
 from trainer.checkpoint.layout import CheckpointError, list_checkpoints
 from trainer.config.schema import ARGS, ConfigError, ResolvedArgs
+from trainer.models.family import ConfigDirError
 from trainer.models.registry import family_of, model_config
 from trainer.checkpoint.weights_source import resolve_weights_source
 
@@ -276,6 +277,8 @@ def _validate_model(args: ResolvedArgs) -> None:
         raise ConfigError(f"{exc} Set model_family in the YAML's model section.") from None
     try:
         config = family.config(args.transformer_config_overrides, args)
+    except ConfigDirError as exc:
+        raise ConfigError(str(exc)) from None
     except ValueError as exc:
         raise ConfigError(f"transformer_config_overrides: {exc}.") from None
     try:

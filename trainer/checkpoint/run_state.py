@@ -20,7 +20,7 @@ from trainer.runtime.files import write_json
 from trainer.optim.optimizers import resume_lr_scheduler
 from trainer.checkpoint.rng import capture_rng_state, restore_rng_state
 from trainer.config.schema import ConfigError, ResolvedArgs
-from trainer.models.registry import model_config
+from trainer.models.registry import family_of, model_config
 from trainer.checkpoint.warm_start import load_warm_start
 from trainer.checkpoint.layout import DATALOADER_DIR, read_complete, scan_output_dir
 from trainer.data.resume import IDENTITY_FILE, data_identity, identity_changes, position_problem
@@ -247,7 +247,8 @@ def warm_start(stage) -> dict:
     sources = stage.warm_start_sources()
     reports = {s.role: load_warm_start(s.path, stage.roles[s.role], weights=s.weights,
                                        allow_missing=s.allow_missing,
-                                       allow_unexpected=s.allow_unexpected) for s in sources}
+                                       allow_unexpected=s.allow_unexpected,
+                                       family=family_of(getattr(stage, "args", None))) for s in sources}
     stage.after_warm_start(reports)
     if len(sources) == 1:
         return reports[sources[0].role]

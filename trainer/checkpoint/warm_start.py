@@ -11,7 +11,12 @@ what `path` names:
   `transformer/` member for `weights="live"`, or the member named by `member` (multi-role
   checkpoints: "student", "critic", ...);
 - one member directory of a checkpoint (`.../checkpoint-<step>/transformer/`), read as DCP;
-- an output_dir: its newest complete checkpoint, as above.
+- an output_dir: its newest complete checkpoint, as above;
+- a directory of safetensors files (a diffusers pipeline directory, its transformer/ folder,
+  or a public release's folder): the shards its index names, or its one file, read tensor by
+  tensor with `safe_open` and loaded shard by shard; the keys go through the model family's
+  state-dict adapter ("original" when they look like the original Wan release's, else
+  "diffusers").
 
 An EMA member holds the same keys as the model (ema.py's contract), so both load the same way.
 """
@@ -47,6 +52,7 @@ from trainer.checkpoint.weights_source import (
     MODEL_CONFIG_FILE,
     WeightsSource,
     resolve_weights_source,
+    safetensors_keys,
 )
 from trainer.checkpoint.dcp_io import (
     load_dcp_in_place,
@@ -83,6 +89,13 @@ def read_weights(source: WeightsSource) -> dict[str, torch.Tensor]:
             return read_dcp_state_dict(source.path, checksums=_source_checksums(source))
         except Exception as exc:
             raise CheckpointError(f"could not read DCP weights from {source.path}: {exc}") from exc
+    if source.kind == "safetensors_dir":
+        from safetensors.torch import load_file
+
+        state: dict[str, torch.Tensor] = {}
+        for file in source.files:
+            state.update(load_file(str(file), device="cpu"))
+        return state
     return _read_plain_file(source)
 
 
@@ -92,6 +105,57 @@ def _source_checksums(source: WeightsSource) -> dict[str, str]:
         return {}
     recorded = recorded_checksums(read_complete(source.checkpoint), source.checkpoint)
     return member_checksums(recorded, source.path.name)
+
+
+# Keys only the original Wan release (or ComfyUI's copy of it) has.
+_ORIGINAL_MARKERS = (".self_attn.", ".cross_attn.", "head.head.", "model.diffusion_model.")
+
+
+def _directory_keys(source: WeightsSource, family) -> tuple[dict[str, tuple[int, ...]],
+                                                             dict[str, tuple[Path, str]], str]:
+    """(model key -> stored shape, model key -> (file, stored key), layout) of a safetensors
+    directory, from the files' headers; keys mapped through `family`'s adapter."""
+    stored_keys = {file: safetensors_keys(file) for file in source.files}
+    every = [key for keys in stored_keys.values() for key in keys]
+    layout = "original" if any(m in key for key in every for m in _ORIGINAL_MARKERS) else "diffusers"
+    adapter = None
+    if family is not None:
+        try:
+            adapter = family.state_dict_adapter(layout)
+        except ValueError:
+            if layout == "original":
+                raise CheckpointError(
+                    f"{source.path} holds weights in the original Wan release layout "
+                    f"('self_attn.q' keys), which model family {family.name!r} cannot read; "
+                    f"use model_family: wan") from None
+    shapes: dict[str, tuple[int, ...]] = {}
+    where: dict[str, tuple[Path, str]] = {}
+    for file, keys in stored_keys.items():
+        for key, shape in keys.items():
+            mapped = adapter.to_relay(key) if adapter is not None else key
+            if mapped is None:
+                continue
+            shapes[mapped], where[mapped] = shape, (file, key)
+    return shapes, where, layout
+
+
+def _load_directory(model: torch.nn.Module, keys: list[str],
+                    where: dict[str, tuple[Path, str]]) -> None:
+    """Load `keys` into `model` one safetensors file at a time (never the whole model)."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[str]] = {}
+    for key in keys:
+        by_file.setdefault(where[key][0], []).append(key)
+    for file, file_keys in by_file.items():
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                shard = {key: handle.get_tensor(where[key][1]) for key in file_keys}
+        except Exception as exc:
+            raise CheckpointError(f"could not read weights from {file}: "
+                                  f"{describe_load_error(exc)}") from exc
+        set_model_state_dict(model, shard, options=StateDictOptions(full_state_dict=True, strict=False))
+        del shard
 
 
 def _matches(key: str, patterns: Iterable[str]) -> bool:
@@ -108,6 +172,7 @@ def load_warm_start(
     allow_unexpected: Iterable[str] = (),
     strict: bool = True,
     process_group: dist.ProcessGroup | None = None,
+    family=None,
 ) -> dict[str, Any]:
     """Load weights from `path` into `model` (plain or FSDP2-sharded); return a report to log.
 
@@ -118,7 +183,9 @@ def load_warm_start(
     A key whose shape differs is an error unless `allow_missing` matches it (then it is
     skipped like a missing one). With `strict=False`, other missing/unexpected keys are only
     reported. DCP sources are read shard-by-shard as a collective when a process group is
-    initialised; plain files are read whole on every rank.
+    initialised; plain files are read whole on every rank; a safetensors directory is read
+    one file at a time on every rank, its keys mapped through `family`'s state-dict adapter
+    (trainer.models.family.ModelFamily; None: the keys as stored).
 
     Returns {"source", "member", "weights", "loaded", "missing", "unexpected",
     "skipped_shape_mismatch"} (the last four are lists of keys). Raises CheckpointError naming
@@ -128,7 +195,10 @@ def load_warm_start(
     source = resolve_weights_source(path, weights=weights, member=member)
     target = get_model_state_dict(model)
     plain: dict[str, torch.Tensor] | None = None
-    if source.kind == "dcp":
+    layout = None
+    if source.kind == "safetensors_dir":
+        stored, where, layout = _directory_keys(source, family)
+    elif source.kind == "dcp":
         recorded = _source_checksums(source)
         try:
             verify_bytes(source.path / METADATA_FILE, None, recorded.get(METADATA_FILE))
@@ -173,6 +243,8 @@ def load_warm_start(
         except Exception as exc:
             raise CheckpointError(f"could not load DCP weights from {source.path}: {exc}") from exc
         set_model_state_dict(model, subset, options=StateDictOptions(strict=False))
+    elif source.kind == "safetensors_dir":
+        _load_directory(model, keys, where)
     else:
         subset = {key: plain[key] for key in keys}
         set_model_state_dict(model, subset, options=StateDictOptions(full_state_dict=True, strict=False))
@@ -180,6 +252,7 @@ def load_warm_start(
         "source": str(source.path),
         "member": source.member,
         "weights": weights if source.kind == "dcp" else "as stored",
+        **({"layout": layout, "files": [str(f) for f in source.files]} if layout else {}),
         "loaded": keys,
         "missing": missing,
         "unexpected": unexpected,

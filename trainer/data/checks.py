@@ -345,6 +345,9 @@ def data_problems(args, scan: DataScan) -> list[str]:
         return problems
     try:
         in_channels, text_dim, patch = model_widths(args)
+        from trainer.models.registry import model_config_file
+
+        origin = model_config_file(args)
     except (KeyError, TypeError, ValueError):
         return problems  # the model config's own check names what is wrong with it
     channels = _shards_by(scan, {s.path: set(np.unique(s.shape[:, 0]).tolist()) for s in readable})
@@ -353,18 +356,26 @@ def data_problems(args, scan: DataScan) -> list[str]:
             problems.append(
                 f"the latents in {_where(paths, len(readable))} have {count} channels "
                 f"(vae_latent_shape [C, T, H, W]) but the model's in_channels is {in_channels}. "
-                f"Set in_channels: {count} in transformer_config_overrides (the YAML's model "
-                f"section) for data of this VAE, or point data_path at latents of the model's "
-                f"{in_channels}-channel VAE.")
+                + (f"The architecture comes from {origin} (pretrained_transformer_path): its "
+                   f"weights take {in_channels}-channel latents, so point data_path at latents "
+                   f"of that model's VAE, or start from a model made for {count}-channel latents."
+                   if origin else
+                   f"Set in_channels: {count} in transformer_config_overrides (the YAML's model "
+                   f"section) for data of this VAE, or point data_path at latents of the model's "
+                   f"{in_channels}-channel VAE."))
     widths = _shards_by(scan, {s.path: set(np.unique(s.text_width).tolist())
                                for s in readable if s.has_text})
     for width, paths in sorted(widths.items()):
         if width != text_dim:
             problems.append(
                 f"the caption embeddings in {_where(paths, len(readable))} are {width} wide "
-                f"(text_embedding_shape [L, D]) but the model's text_dim is {text_dim}. Set "
-                f"text_dim: {width} in transformer_config_overrides (the YAML's model section), "
-                f"or encode the captions with the model's text encoder (relay data encode).")
+                f"(text_embedding_shape [L, D]) but the model's text_dim is {text_dim}. "
+                + (f"The architecture comes from {origin} (pretrained_transformer_path): encode "
+                   f"the captions with that model's {text_dim}-wide text encoder (relay data "
+                   f"encode)." if origin else
+                   f"Set text_dim: {width} in transformer_config_overrides (the YAML's model "
+                   f"section), or encode the captions with the model's text encoder (relay data "
+                   f"encode)."))
     shape, text_len = scan.column("shape"), scan.column("text_len")
     if len(shape) == 0:
         return problems + [f"data_path ({len(readable)} shards) holds no usable rows "

@@ -65,6 +65,11 @@ class ParamCounts:
     second_time: int = 0
 
 
+class ConfigDirError(ValueError):
+    """The directory a run reads its architecture from (a public checkpoint's config.json) is
+    refused: preflight says so as it is, without blaming transformer_config_overrides."""
+
+
 class StateDictAdapter:
     """Key names between relay's module and an external layout (identity by default).
 
@@ -131,6 +136,11 @@ class ModelFamily(ABC):
     def settings_config(self, settings: dict[str, Any]) -> dict[str, Any]:
         """The config entries that come from top-level run settings rather than the overrides."""
         return {}
+
+    def config_file(self, settings: dict[str, Any]) -> str | None:
+        """The file `config` reads the architecture from for these run settings (a public
+        checkpoint's config.json), or None when transformer_config_overrides give it."""
+        return None
 
     def config_from_dir(self, path: str) -> dict[str, Any]:
         """The config of a checkpoint directory's own config.json. Raises ValueError when this

@@ -47,6 +47,12 @@ def model_config(args) -> dict[str, Any]:
     return family_of(args).config(args.transformer_config_overrides, args)
 
 
+def model_config_file(args) -> str | None:
+    """The file the run's architecture is read from (a diffusers directory's
+    transformer/config.json, see WanFamily.config), or None when the overrides give it."""
+    return family_of(args).config_file(args)
+
+
 def _register_builtin() -> None:
     from trainer.models.dit.family import DiTFamily
     from trainer.models.wan.family import WanFamily

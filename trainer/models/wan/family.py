@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer.models.backends import ATTENTION_BACKENDS
-from trainer.models.family import Geometry, ModelFamily, ParamCounts, StateDictAdapter
+from trainer.models.family import (ConfigDirError, Geometry, ModelFamily, ParamCounts,
+                                   StateDictAdapter)
 from trainer.models.wan.config import (DIFFUSERS_CLASS, QK_NORM, WAN_DEFAULTS, rope_axes,
                                       wan_geometry)
 
@@ -67,6 +68,49 @@ class WanFamily(ModelFamily):
         if config["attention_backend"] not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend {config['attention_backend']!r} is unknown; "
                              f"known: {', '.join(ATTENTION_BACKENDS)}")
+
+    def config(self, overrides: dict[str, Any] | None, settings: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
+        """The complete config. When the run warm starts from a diffusers directory
+        (`pretrained_transformer_path` with `load_transformer_weights: true`), the architecture
+        is its transformer/config.json: `overrides` may then be empty, may set
+        `attention_backend`, and may repeat the directory's values, but a key that disagrees
+        with the directory raises ConfigDirError naming it. Another path (a state dict, a
+        relay checkpoint, the original release layout) leaves the config to `overrides`."""
+        config = super().config(overrides, settings)
+        settings = settings or {}
+        file = self.config_file(settings)
+        if file is None:
+            return config
+        path = settings["pretrained_transformer_path"]
+        try:
+            directory = self.config_from_dir(str(path))
+        except ValueError as exc:
+            raise ConfigDirError(f"pretrained_transformer_path: {exc}. model_family wan reads the "
+                                 f"architecture from a diffusers directory's transformer/config.json: "
+                                 f"point pretrained_transformer_path at a complete Wan diffusers "
+                                 f"directory.") from None
+        overrides = dict(overrides or {})
+        differ = [key for key, value in sorted(overrides.items())
+                  if key != "attention_backend" and _plain(value) != _plain(directory[key])]
+        if differ:
+            details = ", ".join(f"{key}: overrides {overrides[key]!r}, directory "
+                                f"{directory[key]!r}" for key in differ)
+            raise ConfigDirError(
+                f"transformer_config_overrides disagree with {file}, which pretrained_transformer_"
+                f"path {path} loads: {details}. The weights have the directory's architecture: "
+                f"remove {', '.join(differ)} from transformer_config_overrides (it may be empty; "
+                f"only attention_backend may differ).")
+        if "attention_backend" in overrides:
+            directory["attention_backend"] = overrides["attention_backend"]
+        return {**directory, **self.settings_config(settings)}
+
+    def config_file(self, settings: dict[str, Any]) -> str | None:
+        path = settings.get("pretrained_transformer_path")
+        if path is None or not settings.get("load_transformer_weights"):
+            return None
+        file = diffusers_config_file(path)
+        return None if file is None else str(file)
 
     def config_from_dir(self, path: str) -> dict[str, Any]:
         """The config of a diffusers Wan pipeline directory (model_index.json + transformer/)
@@ -232,6 +276,34 @@ def _rename(key: str, root: dict[str, str], block: dict[str, str], root_table: t
         if key.startswith(source):
             return target + key[len(source):]
     return key
+
+
+def diffusers_config_file(path: str | Path) -> Path | None:
+    """The transformer config.json a warm-start path reads its architecture from, or None when
+    the path is no diffusers directory (a file, a relay checkpoint or output_dir, the original
+    release layout without a diffusers config). The file may not exist: a pipeline directory
+    (model_index.json, or a transformer/ folder) names transformer/config.json either way."""
+    root = Path(path)
+    if not root.is_dir() or (root / "COMPLETE").exists() or (root / ".metadata").exists():
+        return None
+    if (root / "model_index.json").is_file() or (root / "transformer").is_dir():
+        if any(child.name.startswith("checkpoint-") for child in root.iterdir()):
+            return None  # a relay output_dir
+        return root / "transformer" / "config.json"
+    file = root / "config.json"
+    if not file.is_file():
+        return None
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return file  # config_from_dir says what is wrong with it
+    if isinstance(raw, dict) and raw.get("_class_name") == "WanModel":
+        return None  # the original release's config: the architecture comes from the overrides
+    return file
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
 
 
 def _is_int(value: Any, low: int) -> bool:
