@@ -106,6 +106,19 @@ def test_the_original_release_layout_loads_through_the_adapter(reference, tmp_pa
     model, report = _load(release)
     assert report["layout"] == "original" and report["missing"] == report["unexpected"] == []
     _assert_same_forward(reference, model)
+    # the release's own config.json (class WanModel) gives the architecture
+    (release / "config.json").write_text(json.dumps({
+        "_class_name": "WanModel", "_diffusers_version": "0.30.0", "model_type": "t2v",
+        "patch_size": [1, 4, 4], "dim": 16, "num_heads": 2, "in_dim": 3, "out_dim": 3,
+        "text_dim": 32, "freq_dim": 32, "ffn_dim": 32, "num_layers": 2, "eps": 1e-6,
+        "text_len": 512}))
+    settings = {"pretrained_transformer_path": str(release), "load_transformer_weights": True}
+    config = WanFamily().config({}, settings)
+    assert {k: config[k] for k in TINY} == {**TINY, "rope_max_seq_len": 1024}  # the release's
+    i2v = json.loads((release / "config.json").read_text()) | {"model_type": "i2v"}
+    (release / "config.json").write_text(json.dumps(i2v))
+    with pytest.raises(ValueError, match="text-to-video ones"):
+        WanFamily().config({}, settings)
 
 
 def test_the_config_comes_from_the_directory_and_disagreeing_overrides_are_refused(single):

@@ -114,7 +114,8 @@ class WanFamily(ModelFamily):
 
     def config_from_dir(self, path: str) -> dict[str, Any]:
         """The config of a diffusers Wan pipeline directory (model_index.json + transformer/)
-        or of its transformer/ folder, from transformer/config.json. Raises ValueError for a
+        or of its transformer/ folder, from transformer/config.json (or of a folder of the
+        original release, from its config.json of class WanModel). Raises ValueError for a
         directory without one, or whose transformer is not a WanTransformer3DModel."""
         root = Path(path)
         if (root / "model_index.json").is_file() or (root / "transformer").is_dir():
@@ -139,7 +140,9 @@ class WanFamily(ModelFamily):
         if not isinstance(raw, dict):
             raise ValueError(f"{file} is not a JSON object")
         cls = raw.get("_class_name", DIFFUSERS_CLASS)
-        if cls != DIFFUSERS_CLASS:
+        if cls == ORIGINAL_CLASS:
+            raw = _from_original_config(raw, file)
+        elif cls != DIFFUSERS_CLASS:
             raise ValueError(f"{file} describes a {cls}, not a {DIFFUSERS_CLASS}: the directory is "
                              f"not a Wan transformer, so model_family wan cannot read it")
         config = {k: v for k, v in raw.items() if not k.startswith("_")}
@@ -278,11 +281,46 @@ def _rename(key: str, root: dict[str, str], block: dict[str, str], root_table: t
     return key
 
 
+ORIGINAL_CLASS = "WanModel"  # the config.json of the original Wan release
+# The original release's config keys, as diffusers' (None: read, nothing to set).
+_ORIGINAL_KEYS = {"dim": None, "num_heads": "num_attention_heads", "in_dim": "in_channels",
+                  "out_dim": "out_channels", "text_dim": "text_dim", "freq_dim": "freq_dim",
+                  "ffn_dim": "ffn_dim", "num_layers": "num_layers", "eps": "eps",
+                  "cross_attn_norm": "cross_attn_norm", "patch_size": "patch_size",
+                  "qk_norm": None, "model_type": None, "text_len": None, "window_size": None}
+
+
+def _from_original_config(raw: dict[str, Any], file: Path) -> dict[str, Any]:
+    """A diffusers-keyed config from the original release's config.json (`WanModel`: dim,
+    num_heads, in_dim, ...). Raises ValueError for what relay's module does not implement."""
+    config = {k: v for k, v in raw.items() if not k.startswith("_")}
+    unknown = sorted(set(config) - set(_ORIGINAL_KEYS))
+    if unknown:
+        raise ValueError(f"{file} has keys relay's wan module does not know: {', '.join(unknown)}")
+    model_type = config.get("model_type", "t2v")
+    if model_type not in ("t2v", "ti2v"):
+        raise ValueError(f"{file} describes a Wan {model_type!r} model: relay's wan module "
+                         f"implements the text-to-video ones (t2v, ti2v) only")
+    if config.get("qk_norm", True) is not True:
+        raise ValueError(f"{file} sets qk_norm: false; relay's wan module implements only the "
+                         f"RMSNorm on q and k every Wan2.1/2.2 checkpoint has")
+    if list(config.get("window_size", [-1, -1])) != [-1, -1]:
+        raise ValueError(f"{file} sets a local attention window_size "
+                         f"{config['window_size']}, which relay's wan module does not implement")
+    dim, heads = config.get("dim"), config.get("num_heads")
+    if not (_is_int(dim, 1) and _is_int(heads, 1)) or dim % heads:
+        raise ValueError(f"{file}: dim ({dim!r}) must be a multiple of num_heads ({heads!r})")
+    out = {new: config[old] for old, new in _ORIGINAL_KEYS.items() if new and old in config}
+    out["attention_head_dim"] = dim // heads
+    return out
+
+
 def diffusers_config_file(path: str | Path) -> Path | None:
     """The transformer config.json a warm-start path reads its architecture from, or None when
-    the path is no diffusers directory (a file, a relay checkpoint or output_dir, the original
-    release layout without a diffusers config). The file may not exist: a pipeline directory
-    (model_index.json, or a transformer/ folder) names transformer/config.json either way."""
+    the path has none (a file, a relay checkpoint or output_dir, a folder of safetensors
+    without a config.json). The file may not exist: a pipeline directory (model_index.json, or
+    a transformer/ folder) names transformer/config.json either way. A folder of the original
+    release names its config.json (class WanModel: dim, num_heads, in_dim, ...)."""
     root = Path(path)
     if not root.is_dir() or (root / "COMPLETE").exists() or (root / ".metadata").exists():
         return None
@@ -291,15 +329,7 @@ def diffusers_config_file(path: str | Path) -> Path | None:
             return None  # a relay output_dir
         return root / "transformer" / "config.json"
     file = root / "config.json"
-    if not file.is_file():
-        return None
-    try:
-        raw = json.loads(file.read_text())
-    except (OSError, ValueError):
-        return file  # config_from_dir says what is wrong with it
-    if isinstance(raw, dict) and raw.get("_class_name") == "WanModel":
-        return None  # the original release's config: the architecture comes from the overrides
-    return file
+    return file if file.is_file() else None
 
 
 def _plain(value: Any) -> Any:
