@@ -135,7 +135,8 @@ def test_packed_batches_through_varlen_kernels_match_sdpa():
 def test_selective_checkpointing_does_not_recompute_fa4(monkeypatch, selective):
     from torch.distributed._composable import checkpoint
 
-    from trainer.models import attention, build, fa4_ops
+    from trainer import build
+    from trainer.models import attention, fa4_ops
 
     if not attention._runs_here("fa4", DEVICE, torch.bfloat16, 128):
         pytest.skip("FA4 does not run here")
