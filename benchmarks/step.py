@@ -55,7 +55,7 @@ configure_cuda_allocator()
 
 import torch  # noqa: E402
 
-from benchmarks.flops import model_forward_flops, train_flops, wan_forward_flops  # noqa: E402
+from benchmarks.flops import model_forward_flops, train_flops  # noqa: E402
 
 DATASHEET_TFLOPS = 989.0
 SIZES = {
@@ -342,7 +342,7 @@ def run_one(spec: str, size_name: str, args, device, ceiling_tflops: float | Non
                 forward = model_forward_flops("dit", config, video_tokens(size), size["text"])
             else:
                 step, params, config = build_wan(size, mode, checkpointing, device)
-                forward = wan_forward_flops(config, video_tokens(size), size["text"])
+                forward = model_forward_flops("wan", config, video_tokens(size), size["text"])
             result.update(parameters=params, train_flops=train_flops(forward),
                           build_s=time.perf_counter() - build_start)
             first = time.perf_counter()

@@ -5,7 +5,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.flops import model_forward_flops, wan_forward_flops
+from benchmarks.flops import model_forward_flops
 from trainer.models.dit.module import VideoDiT
 
 torch.set_num_threads(1)
@@ -39,7 +39,7 @@ def test_wan_count_matches_the_products_the_model_runs():
     x = torch.randn(1, 4, 3, 4, 6)
     text = torch.randn(1, 5, 12)
     counted = _counted(lambda: model(x, timestep=torch.tensor([300.0]), encoder_hidden_states=text))
-    assert wan_forward_flops(dict(model.config), 18, 5) == counted
+    assert model_forward_flops("wan", dict(model.config), 18, 5) == counted
 
 
 def test_the_step_benchmark_runs_both_models_training_steps_on_the_cpu(tmp_path):

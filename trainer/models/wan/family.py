@@ -176,8 +176,8 @@ class WanFamily(ModelFamily):
 
     def forward_flops(self, config: dict[str, Any], video_tokens: int, text_tokens: int) -> float:
         """Per block: self-attention over the video, cross-attention from the video to the
-        caption (its K/V computed per block), the FFN; the same count as
-        benchmarks/flops.py's `wan_forward_flops` for diffusers' model."""
+        caption (its K/V computed per block), the FFN (tests/test_step_flops.py holds it to the
+        products diffusers' WanTransformer3DModel runs)."""
         d = config["num_attention_heads"] * config["attention_head_dim"]
         patch = math.prod(config["patch_size"])
         out_channels = config["out_channels"] or config["in_channels"]
