@@ -16,6 +16,7 @@ import torch
 from trainer.parallel.distributed import Topology, barrier, shard_model
 from trainer.models.fa4_ops import FA4_OPS
 from trainer.config.schema import ResolvedArgs
+from trainer.models.lora_targets import lora_enabled
 from trainer.models.registry import family_of, model_config
 
 log = logging.getLogger(__name__)
@@ -43,8 +44,15 @@ def build_score_models(args: ResolvedArgs, device: torch.device):
 def build_trained_model(args: ResolvedArgs, topo: Topology) -> torch.nn.Module:
     """The run's transformer as training uses it: checkpointing, compile, then FSDP2 over the
     mesh (fully_shard goes last, around blocks that are already wrapped and compiled) and
-    context parallel over the cp group."""
-    return distribute(prepare_for_training(build_model(args, topo.device), args), topo)
+    context parallel over the cp group. A LoRA run (lora_rank > 0) loads its frozen base and
+    applies its adapters here (trainer.models.lora), so FSDP2 shards each adapter with its
+    block; the stage's warm start is then the base already loaded."""
+    model = build_model(args, topo.device)
+    if lora_enabled(args):  # the frozen base and its adapters, before checkpointing and FSDP2
+        from trainer.models.lora import prepare_lora
+
+        model = prepare_lora(model, args)
+    return distribute(prepare_for_training(model, args), topo)
 
 
 def distribute(model: torch.nn.Module, topo: Topology) -> torch.nn.Module:
@@ -275,4 +283,5 @@ def build_ema(args: ResolvedArgs, model: torch.nn.Module):
     from trainer.optim.ema import EMA
 
     return (EMA(model, args.ema_decay, start=args.ema_start_step,
-                update_every=args.ema_update_every) if args.use_ema else None)
+                update_every=args.ema_update_every, trainable_only=lora_enabled(args))
+            if args.use_ema else None)

@@ -16,6 +16,8 @@ import warnings
 from pathlib import Path
 
 from trainer.config import stage_checks
+from trainer.config.lora_checks import adapter_params, lora_init_problem
+from trainer.models.lora_targets import lora_enabled
 from trainer.checkpoint.layout import CheckpointError, list_checkpoints
 from trainer.config.schema import ARGS, ConfigError, ResolvedArgs
 from trainer.models.family import ConfigDirError
@@ -331,6 +333,9 @@ def _writable(directory: Path) -> bool:
 
 def _validate_weight_sources(args: ResolvedArgs) -> None:
     """The weights a warm start reads must exist, unless the run resumes from its own checkpoint."""
+    problem = lora_init_problem(args)
+    if problem:
+        raise ConfigError(problem)
     if args.stage == "fm" and not args.load_transformer_weights:
         return
     try:
@@ -430,7 +435,8 @@ def describe_plan(args: ResolvedArgs, world_size: int, ranks_per_node: int | Non
         shard_group=mesh.shard_group, cp=mesh.cp, batch_per_rank=args.train_batch_size,
         video_tokens=video or 0, text_tokens=args.text_max_tokens,
         checkpointing=args.enable_gradient_checkpointing,
-        selective=args.use_dedicated_gradient_checkpointing, pack_budget=budget)
+        selective=args.use_dedicated_gradient_checkpointing, pack_budget=budget,
+        lora=lora_enabled(args), lora_params=adapter_params(args))
     if budget is None:
         batch = (f"global batch: train_batch_size {args.train_batch_size} x gradient accumulation "
                  f"{accum} x dp {mesh.dp_world} = {args.train_batch_size * accum * mesh.dp_world} "

@@ -41,6 +41,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -98,16 +99,26 @@ _RESERVED_NAMES = {DATALOADER_DIR, COMPLETE_FILE, TRAINING_STATE_FILE, QUARANTIN
 
 
 class ModelMember:
-    """A checkpoint member for a model (plain or FSDP2): saved as its state dict, loaded back into it."""
+    """A checkpoint member for a model (plain or FSDP2): saved as its state dict, loaded back into it.
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    `trainable_only` (a LoRA run): only the parameters that require grad, the adapters; the
+    frozen base is neither saved nor loaded (docs/lora.md). Loading stays strict for those:
+    DCP fills exactly the keys `state_dict` returned, and a checkpoint lacking one fails.
+    """
+
+    def __init__(self, model: torch.nn.Module, trainable_only: bool = False) -> None:
         self.model = model
+        self.options = StateDictOptions(ignore_frozen_params=True) if trainable_only else None
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
+        return get_model_state_dict(self.model, options=self.options)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state_dict)
+        if self.options is None:
+            set_model_state_dict(self.model, state_dict)
+            return
+        # The frozen keys are absent by design; every trainable one is present (DCP filled them).
+        set_model_state_dict(self.model, state_dict, options=StateDictOptions(strict=False))
 
 
 class OptimizerMember:

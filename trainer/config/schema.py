@@ -89,6 +89,28 @@ SECTIONS: dict[str, list[Arg]] = {
             "the hidden state that many layers before the last. Encoding and inference must "
             "use the same value."),
     ],
+    "lora": [
+        Arg("lora_rank", "int", 0,
+            "LoRA fine-tuning through peft (docs/lora.md): the rank r of the adapters; 0 trains "
+            "every weight. With r > 0 the base (pretrained_transformer_path) is frozen and only "
+            "the adapters train; checkpoints hold the adapters and a digest of the base."),
+        Arg("lora_alpha", "float", None,
+            "LoRA scale numerator: the adapter adds (lora_alpha / lora_rank) x B A x. null: "
+            "lora_rank (a scale of 1).", nullable=True),
+        Arg("lora_dropout", "float", 0.0,
+            "Dropout on the adapters' input while training (0: none; > 0 makes the loss depend "
+            "on the data-parallel split)."),
+        Arg("lora_target_modules", "str_list", [],
+            "The linear layers that get an adapter: a module name matches an entry equal to it "
+            "or ending in '.<entry>' (to_q, attn1.to_out.0), or an fnmatch pattern of the whole "
+            "name when the entry holds * ? or [ (blocks.*.ffn.net.2). []: the model family's "
+            "default (wan: q/k/v/out of attn1 and attn2; dit: qkv and proj of every block)."),
+        Arg("lora_init_path", "path", None,
+            "Start the adapters from another LoRA: a `relay export --format peft` directory, "
+            "its adapter_model.safetensors, or a LoRA run's checkpoint-N/ or output_dir (its EMA "
+            "adapters when it saved them, else the live ones). Rank and targets must match. "
+            "null: fresh adapters (B = 0, so the model starts as the base).", nullable=True),
+    ],
     "training": [
         Arg("stage", "str", "fm",
             "Training objective: fm = flow matching (pretrain, SFT); tf_anyflow = Stage1 causal "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 
 from trainer.diffusion.timesteps import NUM_TRAIN_TIMESTEPS
+from trainer.config.lora_checks import validate_lora
 from trainer.config.schema import ConfigError, ResolvedArgs
 from trainer.models.registry import family_of, model_config
 
@@ -27,6 +28,7 @@ def validate_stage(args: ResolvedArgs) -> None:
     _require_capabilities(family_of(args), args.stage, _needs_of_the_data(args))
     _check_tf_anyflow(args)
     _check_dmd_sgf(args)
+    validate_lora(args)
 
 
 def _needs_of_the_data(args: ResolvedArgs) -> tuple[str, ...]:

@@ -107,6 +107,10 @@ class ModelFamily(ABC):
     # started from a two-time one drops them, a two-time one started from a single-time one
     # initialises them from the first time input.
     second_time_keys: ClassVar[tuple[str, ...]] = ()
+    # The linear layers a LoRA adapts when lora_target_modules is empty (entries as
+    # trainer.models.lora_targets matches them); () means the family names none, and a LoRA run
+    # must name its targets.
+    lora_target_modules: ClassVar[tuple[str, ...]] = ()
 
     # -- config -----------------------------------------------------------------------------
     @abstractmethod
@@ -165,6 +169,12 @@ class ModelFamily(ABC):
     def bidirectional_config(self, config: dict[str, Any]) -> dict[str, Any]:
         """The teacher/critic config `config` implies: the same weights' layout, bidirectional,
         single-time (Stage2's frozen teacher and trainable critic)."""
+
+    def linear_shapes(self, config: dict[str, Any]) -> dict[str, tuple[int, int]] | None:
+        """Every nn.Linear of the module `config` builds: its module name -> (in, out)
+        features, so the login node can check LoRA targets and count adapters. None: the
+        family does not list them (the targets are then checked when the model is built)."""
+        return None
 
     def setting_hint(self, what: str) -> str:
         """How a user turns on `what` ("causal", "two_time", "single_time", "time_gate") in

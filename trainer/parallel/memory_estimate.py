@@ -6,7 +6,9 @@
 What is counted, per rank (P = parameters of one model, S = ranks of a shard group):
 - states: fp32 parameters and gradients sharded over S (4 + 4 bytes / S each), AdamW's two
   moments (8 bytes / S) or Muon's one momentum for the hidden matrices, the fp32 EMA shadow
-  (4 bytes / S); a frozen role (Stage2's teacher) holds its parameters only.
+  (4 bytes / S); a frozen role (Stage2's teacher) holds its parameters only. A LoRA run's
+  trained role is its frozen base (parameters only) plus the adapters, which alone hold
+  gradients, optimizer state and the EMA (Muon's momentum for their matrices).
 - the FSDP2 working set: the unsharded compute-dtype copy of the block being run and of the
   one prefetched, plus that block's unsharded fp32 gradient before its reduce-scatter.
 - activations of the trained forward at the configured sequence (video + caption tokens,
@@ -100,11 +102,13 @@ def pack_tokens_per_rank(budget: int, *, copies: int, cp: int, video_tokens: int
 def estimate_memory(family, cfg: dict, *, stage: str, use_muon: bool, use_ema: bool,
                     shard_group: int, cp: int, batch_per_rank: int, video_tokens: int,
                     text_tokens: int, checkpointing: bool,
-                    selective: bool = False, pack_budget: int | None = None) -> MemoryEstimate:
+                    selective: bool = False, pack_budget: int | None = None,
+                    lora: bool = False, lora_params: int | None = None) -> MemoryEstimate:
     """The memory one GPU needs for a step of `stage` (see the module docstring); with
     `pack_budget` (packing_token_budget) a micro-batch is one pack of that many joint tokens
     and batch_per_rank is not used. `family` (trainer.models.family) counts the parameters of
-    the model `cfg` describes and gives its width and depth."""
+    the model `cfg` describes and gives its width and depth. `lora`: the trained role is a
+    frozen base with `lora_params` adapter parameters (None: not known here, not counted)."""
     counts = family.param_counts(cfg)
     geometry = family.geometry(cfg)
     p, per_block = counts.total, counts.per_block
@@ -113,6 +117,11 @@ def estimate_memory(family, cfg: dict, *, stage: str, use_muon: bool, use_ema: b
              f"sharded over {shard_group} rank(s)"]
     states = 0.0
     for role in stage_roles(stage, use_ema):
+        if lora and role.trained:
+            role_gib, line = _lora_role(role, p, lora_params, use_muon, shard_group)
+            states += role_gib
+            lines.append(line)
+            continue
         bytes_per = 4.0  # fp32 parameters
         what = ["params 4"]
         if role.trained:
@@ -157,6 +166,27 @@ def estimate_memory(family, cfg: dict, *, stage: str, use_muon: bool, use_ema: b
                  f"{acts:.2f} GiB ({_checkpointing_name(checkpointing, selective)})")
     lines.append(f"  overhead: {OVERHEAD_GIB:g} GiB")
     return MemoryEstimate(states, working, acts, OVERHEAD_GIB, tuple(lines))
+
+
+def _lora_role(role: Role, p: int, adapters: int | None, use_muon: bool,
+               shard_group: int) -> tuple[float, str]:
+    """(GiB, the line saying so) of a LoRA-trained role: the fp32 base, parameters only, and
+    the adapters with their gradients, optimizer state (Muon: one momentum, every adapter
+    weight is a matrix) and EMA."""
+    base_gib = 4.0 * p / shard_group / GIB
+    if adapters is None:
+        return base_gib, (f"  {role.name}: frozen base (params 4) = 4.0 B x {p / 1e9:.3f}B / "
+                          f"{shard_group} = {base_gib:.2f} GiB; LoRA adapters not counted (the "
+                          f"model family does not list its linear layers)")
+    per = 4 + 4 + (4 if use_muon else 8) + (4 if role.ema else 0)
+    what = ["params 4", "grads 4", f"{'Muon' if use_muon else 'AdamW'} {4 if use_muon else 8}"]
+    if role.ema:
+        what.append("EMA 4")
+    adapter_gib = per * adapters / shard_group / GIB
+    return base_gib + adapter_gib, (
+        f"  {role.name}: frozen base (params 4) = 4.0 B x {p / 1e9:.3f}B / {shard_group} = "
+        f"{base_gib:.2f} GiB; LoRA adapters ({' + '.join(what)}) = {per:.1f} B x "
+        f"{adapters / 1e6:.3f}M / {shard_group} = {adapter_gib:.3f} GiB")
 
 
 def _checkpointing_name(checkpointing: bool, selective: bool) -> str:

@@ -14,6 +14,7 @@ from torch import nn
 from trainer.diffusion import flow
 from trainer.parallel.distributed import gradient_sync, mean_across_ranks
 from trainer.diffusion.sample_draws import SampleDraws
+from trainer.models.lora_targets import lora_enabled
 from trainer.stages.base import (Stage, WarmStartSource, autocast_context, batch_to_device, clip_and_check,
                                   learning_rates)
 
@@ -226,8 +227,8 @@ class FlowMatchingStage(Stage):
     def warm_start_sources(self) -> list[WarmStartSource]:
         """The pretrained transformer, when load_transformer_weights asks for one."""
         args = self.args
-        if not args.load_transformer_weights:
-            return []
+        if not args.load_transformer_weights or lora_enabled(args):
+            return []  # a LoRA run's base was loaded when its model was built
         return [WarmStartSource("transformer", args.pretrained_transformer_path,
                                 args.pretrained_weights, tuple(args.warm_start_allow_missing),
                                 tuple(args.warm_start_allow_unexpected))]

@@ -20,6 +20,8 @@ class DiTFamily(ModelFamily):
     capabilities = frozenset({"per_frame_times", "packed", "teacher_forcing", "kv_cache",
                               "two_time", "context_parallel"})
     second_time_keys = ("r_embedder.*",)
+    # Attention in and out of every block; the MLP (mlp.0, mlp.2) on request.
+    lora_target_modules = ("qkv", "proj")
 
     def defaults(self) -> dict[str, Any]:
         return {k: v for k, v in MODEL_CONFIG_DEFAULTS.items() if k != "zero_init_modulation"}
@@ -58,6 +60,24 @@ class DiTFamily(ModelFamily):
         muon = config["num_layers"] * (3 * h * h + h * h + 2 * h * m)
         return ParamCounts(total=root + second + config["num_layers"] * per_block,
                            per_block=per_block, muon=muon, second_time=second)
+
+    def linear_shapes(self, config: dict[str, Any]) -> dict[str, tuple[int, int]]:
+        h = config["hidden_size"]
+        m = int(h * config["mlp_ratio"])
+        patch = math.prod(config["patch_size"])
+        out = (config.get("out_channels") or config["in_channels"]) * patch
+        shapes = {"patch_embed": (config["in_channels"] * patch, h),
+                  "text_embedder.0": (config["text_dim"], h), "text_embedder.2": (h, h),
+                  "time_embedder.linear_1": (TIME_FREQ_DIM, h), "time_embedder.linear_2": (h, h)}
+        for i in range(config["num_layers"]):
+            shapes.update({f"blocks.{i}.qkv": (h, 3 * h), f"blocks.{i}.proj": (h, h),
+                           f"blocks.{i}.mlp.0": (h, m), f"blocks.{i}.mlp.2": (m, h),
+                           f"blocks.{i}.modulation": (h, 6 * h)})
+        shapes.update({"final_modulation": (h, 2 * h), "head": (h, out)})
+        if config.get("two_time"):
+            shapes.update({"r_embedder.linear_1": (TIME_FREQ_DIM, h),
+                           "r_embedder.linear_2": (h, h)})
+        return shapes
 
     def forward_flops(self, config: dict[str, Any], video_tokens: int, text_tokens: int) -> float:
         """Every block runs the caption stream (text over text) and the video stream (video
