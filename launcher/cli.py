@@ -58,14 +58,18 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 
 def cmd_export(ns: argparse.Namespace) -> int:
     from trainer.checkpoint.store import CheckpointError
-    from trainer.evaluation.inference import InferenceError, export_checkpoint
+    from trainer.evaluation.export import ExportError, export_checkpoint
+    from trainer.evaluation.inference import InferenceError
 
     try:
-        out = export_checkpoint(ns.path, ns.out, weights=ns.weights, overwrite=ns.force)
-    except (CheckpointError, InferenceError) as exc:
+        lines = export_checkpoint(ns.path, ns.out, format=ns.format, weights=ns.weights,
+                                  overwrite=ns.force, components=ns.components,
+                                  max_shard_size=ns.max_shard_size)
+    except (CheckpointError, InferenceError, ExportError) as exc:
         print(f"relay export: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {out} and {out.with_name('model_config.json')}")
+    for line in lines:
+        print(line)
     return 0
 
 
@@ -434,12 +438,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="eval.json path (default: beside the checkpoint)")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("export", help="write the weights a user ships as safetensors")
+    from trainer.evaluation.export import DEFAULT_MAX_SHARD_SIZE, EXPORT_FORMATS
+
+    p = sub.add_parser("export", help="write a checkpoint's weights for shipping: relay's "
+                       "safetensors file, or a diffusers directory")
     p.add_argument("path", help="a checkpoint-N/ directory or an output_dir")
-    p.add_argument("--out", required=True, help="model.safetensors path")
-    p.add_argument("--weights", choices=("auto", "ema", "live"), default="auto")
+    p.add_argument("--format", choices=tuple(EXPORT_FORMATS), default="relay",
+                   help="; ".join(f"{name}: --out is {spec.out}"
+                                  for name, spec in EXPORT_FORMATS.items()))
+    p.add_argument("--out", required=True, help="what to write (see --format)")
+    p.add_argument("--weights", choices=("auto", "ema", "live"), default="auto",
+                   help="auto: EMA when the checkpoint has one, else live")
+    p.add_argument("--components", default=None, metavar="PIPELINE_DIR",
+                   help="diffusers: the pipeline directory whose model_index.json, vae/, "
+                        "text_encoder/, tokenizer/ and scheduler/ join the transformer (default: "
+                        "the one the run started from; 'none': transformer/ only)")
+    p.add_argument("--max-shard-size", dest="max_shard_size", default=None,
+                   help=f"diffusers: the largest safetensors file before sharding with an "
+                        f"index (default {DEFAULT_MAX_SHARD_SIZE})")
     p.add_argument("--force", action="store_true",
-                   help="replace an existing --out file and the model_config.json beside it")
+                   help="replace an existing export (relay: the file and its model_config.json; "
+                        "diffusers: a previous export directory)")
     p.set_defaults(func=cmd_export)
 
     def add_pipeline_args(p: argparse.ArgumentParser) -> None:

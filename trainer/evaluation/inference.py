@@ -3,7 +3,7 @@
 Everything here reads a checkpoint the trainer wrote (a checkpoint-N/ directory, or an
 output_dir meaning its newest complete checkpoint) together with the resolved config saved
 inside it, so the model is rebuilt exactly as trained. This backs `relay sample`, `relay eval`,
-`relay export` and the trainer's validation.
+the trainer's validation, and `relay export` (trainer.evaluation.export).
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ import torch
 from torch import nn
 
 from trainer.checkpoint.layout import CheckpointError, list_checkpoints
-from trainer.checkpoint.warm_start import export_weights, load_warm_start
+from trainer.checkpoint.warm_start import load_warm_start
 from trainer.config.schema import ResolvedArgs
-from trainer.models.registry import model_config
 
 
 # The role that `relay sample` / `relay eval` sample from, for stages with several roles.
@@ -194,15 +193,3 @@ def evaluate_checkpoint(checkpoint: str, *, steps: int | None, guidance: float |
     path.write_text(json.dumps(report, indent=2))
     report["path"] = str(path)
     return report
-
-
-def export_checkpoint(path: str, out: str, weights: str = "auto", overwrite: bool = False) -> Path:
-    """`relay export`: model.safetensors plus model_config.json beside it (existing files are
-    replaced only with `overwrite`)."""
-    checkpoint = resolve_checkpoint_dir(path)
-    args = _checkpoint_args(checkpoint)
-    members = _members(checkpoint)
-    if weights == "auto":
-        weights = "ema" if "ema" in members else "live"
-    return export_weights(checkpoint, out, weights=weights, model_config=model_config(args),
-                          overwrite=overwrite)

@@ -1,0 +1,478 @@
+"""`relay export`: a checkpoint's weights written in the layout a user loads next.
+
+One writer per format (EXPORT_FORMATS), each given the same ExportSource (which checkpoint,
+which weights, the model config it was trained with):
+
+- `relay`: model.safetensors plus model_config.json beside it (`--out` names the file); relay's
+  warm starts read it.
+- `diffusers`: a diffusers directory (`--out` names it). transformer/ holds config.json and
+  diffusion_pytorch_model.safetensors (shards and an index above `max_shard_size`), written by
+  diffusers' own class of the family (DIFFUSERS_EXPORTS) from a model built on the meta device
+  and given the checkpoint's tensors. The pipeline's other parts (model_index.json, vae/,
+  text_encoder/, tokenizer/, scheduler/) come from the diffusers pipeline directory the run
+  started from (its `pretrained_transformer_path`, followed back through warm starts from other
+  relay runs) or from `components`; each file of 1 MiB or more is hardlinked (a copy where the
+  filesystem refuses a link), smaller ones are copied, so the export stands alone and costs no
+  space on the same filesystem.
+
+Both write under a temporary name and rename into place; an existing output is replaced only
+with `overwrite`. Torch and diffusers are imported inside the writers only: the login side
+reads the format names without them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+LINK_FROM_BYTES = 1 << 20  # component files this large are hardlinked, smaller ones copied
+DEFAULT_MAX_SHARD_SIZE = "10GB"  # diffusers' own default for save_pretrained
+_FOLLOW_LIMIT = 16  # warm starts followed back from run to run to find a pipeline directory
+
+
+class ExportError(Exception):
+    """An export that cannot be written as asked; the message says what to do instead."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportSource:
+    """What an export reads: a checkpoint-N/ directory, its run's arguments, the weights."""
+
+    checkpoint: Path
+    args: Any  # trainer.config.schema.ResolvedArgs
+    weights: str  # "ema" or "live"
+    member: str | None  # the member holding the live weights of a multi-role stage
+    model_config: dict[str, Any]
+
+    def describe(self) -> str:
+        return f"the {self.weights} weights of {self.checkpoint}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportFormat:
+    write: Callable[..., list[str]]  # (source, out, *, overwrite, **options) -> lines to print
+    out: str  # what --out names
+    options: tuple[str, ...] = ()  # keyword options (the --flags) the writer takes
+
+
+@dataclasses.dataclass(frozen=True)
+class DiffusersExport:
+    """How one model family is written as diffusers: the transformer class, the config keys of
+    relay's that are dropped whatever their value (the others the class does not take must
+    keep the family's default, or diffusers would run another model), and the checks of a
+    pipeline's other components."""
+
+    class_name: str
+    ignored_keys: frozenset[str]
+    check_components: Callable[[dict[str, Any], Path], list[str]]
+
+
+def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, format: str = "relay",
+                      weights: str = "auto", overwrite: bool = False, **options) -> list[str]:
+    """Export a checkpoint-N/ directory (or an output_dir's newest checkpoint) as `format`.
+
+    `weights`: auto (EMA when saved), ema or live. `options` are the format's own (None: not
+    given). Returns the lines that say what was written. Raises ExportError for a request the
+    format cannot take, InferenceError for a path that names no checkpoint, CheckpointError
+    for weights that cannot be read or written.
+    """
+    if format not in EXPORT_FORMATS:
+        raise ExportError(f"unknown export format {format!r}; known: {', '.join(EXPORT_FORMATS)}")
+    spec = EXPORT_FORMATS[format]
+    given = {key: value for key, value in options.items() if value is not None}
+    foreign = [key for key in given if key not in spec.options]
+    if foreign:
+        flags = ", ".join(_flag(key) for key in foreign)
+        owners = sorted({name for name, other in EXPORT_FORMATS.items()
+                         if set(foreign) & set(other.options)})
+        raise ExportError(f"{flags} {'applies' if len(foreign) == 1 else 'apply'} to "
+                          f"--format {' or '.join(owners) or '(none)'}, not to --format {format}.")
+    source = read_export_source(path, weights)
+    return spec.write(source, Path(out), overwrite=overwrite, **given)
+
+
+def read_export_source(path: str | os.PathLike, weights: str = "auto") -> ExportSource:
+    """The checkpoint `path` means, its run's arguments and model config, and the weights
+    `weights` picks (auto: EMA when the checkpoint has it). Raises InferenceError."""
+    from trainer.checkpoint.layout import read_complete
+    from trainer.evaluation.inference import (INFERENCE_MEMBER, InferenceError, _checkpoint_args,
+                                              resolve_checkpoint_dir)
+    from trainer.models.registry import model_config
+
+    checkpoint = resolve_checkpoint_dir(path)
+    args = _checkpoint_args(checkpoint)
+    complete = read_complete(checkpoint)
+    members = list(complete.get("members", []))
+    if weights == "auto":
+        weights = "ema" if "ema" in members else "live"
+    if weights == "ema" and "ema" not in members:
+        raise InferenceError(f"{checkpoint} has no EMA weights (members: {', '.join(members)}). "
+                             f"Use --weights live.")
+    # The config recorded at save time: the run's own, even where its source directory moved.
+    config = complete.get("model_config")
+    if config is None:
+        try:
+            config = model_config(args)
+        except ValueError as exc:
+            raise InferenceError(f"cannot rebuild the model config of {checkpoint}: {exc}") from None
+    member = INFERENCE_MEMBER.get(args.get("stage", "fm")) if weights == "live" else None
+    return ExportSource(checkpoint=checkpoint, args=args, weights=weights, member=member,
+                        model_config=dict(config))
+
+
+# ---------------------------------------------------------------------------------------------
+# --format relay
+# ---------------------------------------------------------------------------------------------
+
+def write_relay(source: ExportSource, out: Path, *, overwrite: bool) -> list[str]:
+    """model.safetensors at `out` and model_config.json beside it (warm_start.export_weights)."""
+    from trainer.checkpoint.weights_source import MODEL_CONFIG_FILE
+    from trainer.checkpoint.warm_start import export_weights
+
+    written = export_weights(source.checkpoint, out, weights=source.weights, member=source.member,
+                             model_config=source.model_config, overwrite=overwrite)
+    return [f"wrote {written} and {written.with_name(MODEL_CONFIG_FILE)}"]
+
+
+# ---------------------------------------------------------------------------------------------
+# --format diffusers
+# ---------------------------------------------------------------------------------------------
+
+def _wan_component_checks(config: dict[str, Any], pipeline: Path) -> list[str]:
+    """Where a Wan pipeline's VAE or text encoder does not fit the exported transformer."""
+    problems = []
+    vae = _read_json(pipeline / "vae" / "config.json")
+    if vae is not None and "z_dim" in vae and vae["z_dim"] != config["in_channels"]:
+        problems.append(f"its VAE (vae/config.json) makes {vae['z_dim']}-channel latents and the "
+                        f"transformer takes in_channels {config['in_channels']}")
+    text = _read_json(pipeline / "text_encoder" / "config.json")
+    if text is not None and "d_model" in text and text["d_model"] != config["text_dim"]:
+        problems.append(f"its text encoder (text_encoder/config.json) is {text['d_model']} wide "
+                        f"and the transformer takes text_dim {config['text_dim']}")
+    return problems
+
+
+# model_family -> how it is written as diffusers
+DIFFUSERS_EXPORTS: dict[str, DiffusersExport] = {
+    # attention_backend picks a kernel, not the math; time_gate and attn_window_chunks act only
+    # with two_time and causal_chunk_size, which must keep their defaults
+    "wan": DiffusersExport(class_name="WanTransformer3DModel",
+                           ignored_keys=frozenset({"attention_backend", "time_gate",
+                                                   "attn_window_chunks"}),
+                           check_components=_wan_component_checks),
+}
+TRANSFORMER_DIR = "transformer"
+MODEL_INDEX = "model_index.json"
+
+
+def write_diffusers(source: ExportSource, out: Path, *, overwrite: bool,
+                    components: str | None = None,
+                    max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> list[str]:
+    """A diffusers directory at `out`: transformer/ always; model_index.json and the other
+    components when a source pipeline directory is known (`components`: a pipeline directory,
+    "none" for transformer/ only, None: the one the run started from). Returns the lines to
+    print. Raises ExportError (nothing written) for a family diffusers has no class for, a
+    components directory that is not a complete pipeline fitting the transformer, or an `out`
+    that exists (without `overwrite`) or is not a directory an export may replace."""
+    family = source.args.get("model_family") or "dit"
+    spec = DIFFUSERS_EXPORTS.get(family)
+    if spec is None:
+        known = ", ".join(f"{name} (diffusers' {s.class_name})" for name, s in DIFFUSERS_EXPORTS.items())
+        raise ExportError(
+            f"{source.checkpoint} is a model_family {family!r} run, and diffusers has no class "
+            f"for that model, so --format diffusers cannot write it. --format diffusers writes "
+            f"the families diffusers loads: {known}. Export this run with --format relay "
+            f"(model.safetensors and model_config.json, which relay's warm starts, relay sample "
+            f"and relay eval read).")
+    config = _diffusers_config(spec, source.model_config, family)
+    pipeline, note = _find_pipeline(components, source.args)
+    if pipeline is not None:
+        names = _pipeline_components(pipeline, spec)
+        problems = spec.check_components(config, pipeline)
+        if problems:
+            raise ExportError(
+                f"the pipeline directory {pipeline} ({note}) does not fit this transformer: "
+                f"{'; '.join(problems)}. Give --components a pipeline of the same model "
+                f"(or --components none to write transformer/ only).")
+    _check_out_dir(out, overwrite, source.checkpoint, pipeline)
+
+    from trainer.checkpoint.warm_start import read_weights
+    from trainer.checkpoint.weights_source import resolve_weights_source
+
+    state = read_weights(resolve_weights_source(source.checkpoint, weights=source.weights,
+                                                member=source.member))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.relay-export-{uuid.uuid4().hex[:8]}"
+    try:
+        files = _save_transformer(spec, config, state, tmp / TRANSFORMER_DIR, max_shard_size)
+        del state
+        lines = [f"wrote {out / TRANSFORMER_DIR}: {spec.class_name} config.json and "
+                 f"{_count(len(files), 'safetensors file')}"
+                 f"{' with an index' if len(files) > 1 else ''}, from {source.describe()}"]
+        if pipeline is not None:
+            linked, copied = _place_components(pipeline, [MODEL_INDEX, *names], tmp)
+            lines.append(f"took {', '.join([MODEL_INDEX, *names])} from {pipeline} ({note}): "
+                         f"{_count(linked, 'file')} hardlinked, {copied} copied")
+        else:
+            lines.append(f"wrote transformer/ only: {note}; pass --components PIPELINE_DIR for "
+                         f"a directory {_pipeline_class(spec)}.from_pretrained loads.")
+        _publish(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return lines
+
+
+def _diffusers_config(spec: DiffusersExport, config: dict[str, Any], family: str
+                      ) -> dict[str, Any]:
+    """The class's constructor arguments from relay's model config. Raises ExportError where
+    relay's config sets what the installed diffusers' class cannot run (a causal or two-time
+    form, a newer argument)."""
+    import inspect
+
+    import diffusers
+
+    from trainer.models.registry import get_family
+
+    accepted = set(inspect.signature(getattr(diffusers, spec.class_name).__init__).parameters)
+    defaults = get_family(family).defaults()
+    kept = {k: v for k, v in config.items() if k in accepted}
+    changed = sorted(k for k, v in config.items() if k not in accepted
+                     and k not in spec.ignored_keys and (k not in defaults or v != defaults[k]))
+    if changed:
+        settings = ", ".join(f"{k}: {json.dumps(config[k])}" for k in changed)
+        raise ExportError(
+            f"this run's model config sets {settings}, which diffusers {diffusers.__version__}'s "
+            f"{spec.class_name} has no argument for: it would load the weights and run another "
+            f"model. Export this run with --format relay (model.safetensors and "
+            f"model_config.json, which relay's warm starts, relay sample and relay eval read).")
+    return kept
+
+
+def _save_transformer(spec: DiffusersExport, config: dict[str, Any], state: dict, directory: Path,
+                      max_shard_size: str) -> list[Path]:
+    """Write `state` with diffusers' save_pretrained from the class built on the meta device
+    (no memory for a second copy of the weights); check what was written. Returns the
+    safetensors files."""
+    import torch
+
+    import diffusers
+
+    from trainer.checkpoint.layout import CheckpointError
+    from trainer.checkpoint.weights_source import resolve_weights_source, safetensors_keys
+
+    with torch.device("meta"):
+        model = getattr(diffusers, spec.class_name)(**config)
+    # safetensors refuses tensors that share memory: each gets its own contiguous storage.
+    tensors = {key: value.detach().contiguous() for key, value in state.items()}
+    try:
+        model.load_state_dict(tensors, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise ExportError(f"the checkpoint's weights do not fit diffusers' {spec.class_name} "
+                          f"built from the run's config: {str(exc).splitlines()[0]}") from None
+    try:
+        model.save_pretrained(str(directory), safe_serialization=True,
+                              max_shard_size=max_shard_size)
+    except ValueError as exc:  # a max_shard_size diffusers cannot read
+        raise ExportError(f"--max-shard-size {max_shard_size!r}: {exc}") from None
+    except OSError as exc:
+        raise CheckpointError(f"could not write the export ({exc.strerror or exc}); nothing "
+                              f"was left at the output path. Free space or choose another.") from None
+    files = resolve_weights_source(directory, weights="live").files
+    # diffusers leaves its safetensors readable by their owner only; an export is for sharing:
+    # as readable as any file this process creates.
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in files:
+        file.chmod(0o666 & ~umask)
+    written = {key: shape for file in files for key, shape in safetensors_keys(file).items()}
+    expected = {key: tuple(value.shape) for key, value in tensors.items()}
+    if written != expected:
+        raise CheckpointError(f"the safetensors written to {directory} do not hold the "
+                              f"checkpoint's tensors ({len(written)} of {len(expected)} keys "
+                              f"with their shapes); nothing was published.")
+    return list(files)
+
+
+def _find_pipeline(components: str | None, args) -> tuple[Path | None, str]:
+    """(the pipeline directory whose other components the export takes, how it was found) or
+    (None, why there is none). Raises ExportError for a --components that is no pipeline."""
+    if components == "none":
+        return None, "--components none"
+    if components is not None:
+        path = Path(components)
+        if not (path / MODEL_INDEX).is_file():
+            what = "does not exist" if not path.exists() else (
+                "is a file" if not path.is_dir() else f"has no {MODEL_INDEX}")
+            raise ExportError(
+                f"--components {path} is not a diffusers pipeline directory: it {what}. Give "
+                f"the directory a diffusers pipeline loads from (model_index.json, vae/, "
+                f"text_encoder/, tokenizer/, scheduler/), or leave --components out.")
+        return path, "--components"
+    path, load = args.get("pretrained_transformer_path"), args.get("load_transformer_weights")
+    for _ in range(_FOLLOW_LIMIT):
+        if path is None or not load:
+            return None, "the run did not start from a diffusers pipeline directory"
+        start = Path(path)
+        pipeline = _pipeline_root(start)
+        if pipeline is not None:
+            return pipeline, "the pipeline the run started from"
+        earlier = _run_args(start)
+        if earlier is None:
+            return None, (f"the run started from {start}, which is not (or no longer) a "
+                          f"diffusers pipeline directory")
+        path, load = earlier.get("pretrained_transformer_path"), earlier.get("load_transformer_weights")
+    return None, "the runs it started from lead to no diffusers pipeline directory"
+
+
+def _pipeline_root(path: Path) -> Path | None:
+    """A diffusers pipeline directory: `path` itself, or the parent of its transformer/."""
+    if (path / MODEL_INDEX).is_file():
+        return path
+    if path.name == TRANSFORMER_DIR and (path.parent / MODEL_INDEX).is_file():
+        return path.parent
+    return None
+
+
+def _run_args(path: Path) -> dict[str, Any] | None:
+    """The resolved arguments of the relay run a warm-start path names (an output_dir, a
+    checkpoint-N/ or one of its members), or None for anything else."""
+    from trainer.checkpoint.layout import METADATA_FILE, RESOLVED_CONFIG_FILE
+
+    candidates = [path / RESOLVED_CONFIG_FILE]
+    if (path / METADATA_FILE).is_file():  # a checkpoint member: the checkpoint's config
+        candidates += [path.parent / RESOLVED_CONFIG_FILE, path.parent.parent / RESOLVED_CONFIG_FILE]
+    for candidate in candidates:
+        found = _read_json(candidate)
+        if found is not None:
+            return found
+    return None
+
+
+def _pipeline_components(pipeline: Path, spec: DiffusersExport) -> list[str]:
+    """The component folders model_index.json names, other than the transformer. Raises
+    ExportError for an unreadable index, a missing folder, or a pipeline whose transformer is
+    not the family's (or that has a second one)."""
+    index = _read_json(pipeline / MODEL_INDEX)
+    if not isinstance(index, dict):
+        raise ExportError(f"{pipeline / MODEL_INDEX} is not a readable JSON object: the "
+                          f"pipeline directory is damaged; download it again.")
+    named = {key: value for key, value in index.items() if not key.startswith("_")
+             and isinstance(value, list) and len(value) == 2 and value[0] is not None}
+    transformer = named.pop(TRANSFORMER_DIR, None)
+    if transformer is not None and transformer[1] != spec.class_name:
+        raise ExportError(f"{pipeline} is a pipeline of {transformer[1]}, not of "
+                          f"{spec.class_name}: its components do not go with this transformer.")
+    if "transformer_2" in named:
+        raise ExportError(f"{pipeline} is a two-transformer pipeline (transformer_2: a Wan2.2 "
+                          f"A14B mixture of experts); relay exports one transformer. Give "
+                          f"--components a one-transformer pipeline, or --components none.")
+    missing = [name for name in named if not (pipeline / name).is_dir()]
+    if missing:
+        raise ExportError(f"{pipeline} names {', '.join(missing)} in {MODEL_INDEX} but has no "
+                          f"such folder: the download is incomplete; fetch it again.")
+    return sorted(named)
+
+
+def _pipeline_class(spec: DiffusersExport) -> str:
+    return {"WanTransformer3DModel": "WanPipeline"}.get(spec.class_name, "DiffusionPipeline")
+
+
+def _place_components(pipeline: Path, names: list[str], target: Path) -> tuple[int, int]:
+    """Files of `names` (files or folders of `pipeline`) into `target`: hardlinked from
+    LINK_FROM_BYTES, copied below (or where the filesystem refuses a link); symlinks followed
+    (a Hugging Face cache's snapshot links to its blobs). Returns (linked, copied)."""
+    linked = copied = 0
+    for name in names:
+        root = pipeline / name
+        files = [root] if root.is_file() else [
+            Path(folder) / file for folder, _, found in os.walk(root, followlinks=True)
+            for file in found]
+        for file in files:
+            destination = target / file.relative_to(pipeline)
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            if file.stat().st_size >= LINK_FROM_BYTES:
+                try:
+                    os.link(file.resolve(), destination)
+                    linked += 1
+                    continue
+                except OSError:
+                    pass  # another filesystem, or links not allowed: copy
+            shutil.copy2(file, destination)
+            copied += 1
+    return linked, copied
+
+
+def _check_out_dir(out: Path, overwrite: bool, checkpoint: Path, pipeline: Path | None) -> None:
+    """Refuse an `out` that is a file, overlaps the checkpoint or the source pipeline, or
+    exists without `overwrite`; with it, only a diffusers directory (a previous export) may be
+    replaced, never a directory holding something else."""
+    resolved = out.resolve()
+    for other, what in ((checkpoint.resolve(), "the checkpoint"),
+                        (pipeline.resolve() if pipeline else None, "the source pipeline")):
+        if other is not None and (resolved == other or other in resolved.parents
+                                  or resolved in other.parents):
+            raise ExportError(f"--out {out} overlaps {what} {other}: an export never writes "
+                              f"into what it reads. Choose another directory.")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out} is a file, and --format diffusers writes a directory: choose a "
+                          f"directory path (it is created).")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise ExportError(f"{out} already exists: an export does not replace it unless asked. "
+                          f"Choose another directory, or replace it on purpose with relay "
+                          f"export --force.")
+    if not ((out / TRANSFORMER_DIR).is_dir() or (out / MODEL_INDEX).is_file()):
+        raise ExportError(f"{out} holds files that are not a diffusers directory (no "
+                          f"transformer/, no {MODEL_INDEX}); --force replaces only a previous "
+                          f"export. Choose another directory.")
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move the written directory to `out`, replacing what is there (checked beforehand)."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = out.parent / f".{out.name}.relay-replaced-{uuid.uuid4().hex[:8]}"
+    os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _flag(option: str) -> str:
+    return "--" + option.replace("_", "-")
+
+
+def _write_peft(source: ExportSource, out: Path, *, overwrite: bool) -> list[str]:
+    """A LoRA run's adapters as a peft/diffusers LoRA directory (trainer.evaluation.lora_export)."""
+    from trainer.evaluation.lora_export import write_peft
+
+    return write_peft(source, out, overwrite=overwrite)
+
+
+EXPORT_FORMATS: dict[str, ExportFormat] = {
+    "relay": ExportFormat(write_relay, out="the model.safetensors file (model_config.json "
+                                           "beside it)"),
+    "diffusers": ExportFormat(write_diffusers, out="the directory (transformer/, and the "
+                                                   "pipeline's components when known)",
+                              options=("components", "max_shard_size")),
+    "peft": ExportFormat(_write_peft, out="the directory (adapter_model.safetensors and "
+                                          "adapter_config.json of a LoRA run)"),
+}
