@@ -133,7 +133,21 @@ def build_data(args: ResolvedArgs, topo: Topology, seed_offset: int = 0, text_en
     """
     from trainer.data.synthetic import ensure_dataset
 
-    if args.synthetic_data:
+    if args.synthetic_data and args.vae_path is not None:
+        # Through the run's real VAE and text encoder (trainer.data.synthetic_encoded).
+        if topo.is_main:
+            from trainer.data.synthetic_encoded import ensure_encoded_dataset
+
+            ensure_encoded_dataset(args.data_path, args.synthetic_num_samples,
+                                   seed=args.synthetic_seed, vae_dir=args.vae_path,
+                                   text_encoder_dir=args.text_encoder,
+                                   num_frames=args.synthetic_num_frames,
+                                   height=args.synthetic_height, width=args.synthetic_width,
+                                   generator=args.synthetic_generator,
+                                   skip_layer=args.text_encoder_hidden_state_skip_layer,
+                                   max_text_tokens=args.text_max_tokens)
+        barrier()
+    elif args.synthetic_data:
         if topo.is_main:
             ensure_dataset(args.data_path, args.synthetic_num_samples, seed=args.synthetic_seed,
                            num_frames=args.synthetic_num_frames, height=args.synthetic_height,
@@ -186,6 +200,11 @@ def sample_latent_shape(args: ResolvedArgs) -> tuple[int, int, int, int]:
 
     Raises FileNotFoundError / ValueError when the data cannot be read (as training would).
     """
+    if args.synthetic_data and args.vae_path is not None:
+        from trainer.data.synthetic_encoded import encoded_latent_shape
+
+        return encoded_latent_shape(args.vae_path, num_frames=args.synthetic_num_frames,
+                                    height=args.synthetic_height, width=args.synthetic_width)
     if args.synthetic_data:
         from trainer.data.synthetic import make_sample
 

@@ -20,6 +20,8 @@ from trainer.config.lora_checks import adapter_params, lora_init_problem
 from trainer.models.lora_targets import lora_enabled
 from trainer.checkpoint.layout import CheckpointError, list_checkpoints
 from trainer.config.schema import ARGS, ConfigError, ResolvedArgs
+from trainer.data.synthetic_encoded import encoded_latent_shape
+from trainer.encoders.directories import missing_component, pipeline_root, tiny_wan_pending
 from trainer.models.family import ConfigDirError
 from trainer.models.registry import family_of, model_config
 from trainer.checkpoint.weights_source import resolve_weights_source
@@ -258,9 +260,40 @@ def _validate_caption_source(args: ResolvedArgs) -> None:
            f"are read), or store embeddings with `relay data encode`.")
 
 
+def _validate_pipeline_components(args: ResolvedArgs) -> bool:
+    """The folders a diffusers pipeline directory (pretrained_transformer_path) gives the run
+    by default are there (trainer.encoders.directories). Returns False while make_tiny_wan has
+    yet to write the directory: its folders are checked when the run starts."""
+    if args.make_tiny_wan:
+        _check(args.model_family == "wan" and args.load_transformer_weights
+               and args.pretrained_transformer_path is not None,
+               "`make_tiny_wan: true` writes a tiny random Wan pipeline at "
+               "pretrained_transformer_path and starts from it: it needs model_family: wan, "
+               "load_transformer_weights: true and pretrained_transformer_path set (got "
+               f"model_family {args.model_family}, load_transformer_weights "
+               f"{args.load_transformer_weights}, pretrained_transformer_path "
+               f"{args.pretrained_transformer_path}).")
+    if tiny_wan_pending(args):
+        return False
+    root = pipeline_root(args.pretrained_transformer_path) if args.load_transformer_weights else None
+    if root is not None:
+        for key in ("text_encoder", "vae_path"):
+            if args[key] is not None and args[key] != "standin":
+                problem = missing_component(root, key, args[key])
+                _check(problem is None, problem or "")
+    return True
+
+
 def _validate_paths(args: ResolvedArgs) -> None:
-    _validate_text_encoder(args)
-    _validate_vae(args)
+    if _validate_pipeline_components(args):
+        _validate_text_encoder(args)
+        _validate_vae(args)
+    if args.synthetic_data and args.vae_path is not None:
+        _check(args.text_encoder != "standin",
+               f"`synthetic_data: true` with vae_path {args.vae_path} encodes the embedded clips "
+               f"through that VAE and through text_encoder, but text_encoder is 'standin'. Set "
+               f"text_encoder to the transformers encoder directory the model reads (a Wan "
+               f"pipeline's text_encoder/), or vae_path: null for the pixel-space embedded data.")
     if args.data_path is not None and not args.synthetic_data:
         from trainer.data.checks import check_data
 
@@ -338,6 +371,8 @@ def _validate_weight_sources(args: ResolvedArgs) -> None:
         raise ConfigError(problem)
     if args.stage == "fm" and not args.load_transformer_weights:
         return
+    if tiny_wan_pending(args):
+        return  # the run writes it (make_tiny_wan) before it reads it
     try:
         if list_checkpoints(args.output_dir):
             return  # it resumes: the warm-start source is not read
@@ -488,7 +523,10 @@ def _patch_grid(args: ResolvedArgs) -> tuple[int, int, int] | None:
     """(frames, rows, cols) of one sample's patches, known as _video_tokens says, or None."""
     geometry = _geometry(args)
     pt, ph, pw = geometry.patch_size
-    if args.synthetic_data:
+    if args.synthetic_data and args.vae_path is not None:
+        shape = encoded_latent_shape(args.vae_path, num_frames=args.synthetic_num_frames,
+                                     height=args.synthetic_height, width=args.synthetic_width)
+    elif args.synthetic_data:
         shape = (geometry.latent_channels, args.synthetic_num_frames, args.synthetic_height,
                  args.synthetic_width)
     else:

@@ -25,6 +25,7 @@ import torch
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint import run_state
 from trainer.config.args import resolve_args
+from trainer.encoders.directories import tiny_wan_pending
 from trainer.build import build_stage
 from trainer.runtime.cuda_memory import configure_cuda_allocator
 from trainer.parallel.distributed import (Topology, any_rank, barrier, destroy, init_distributed,
@@ -55,8 +56,32 @@ def main(argv: list[str] | None = None) -> int:
         print(args.to_json())
         print(plan, file=sys.stderr)  # stdout stays the JSON
         return 0
+    if tiny_wan_pending(args):
+        # make_tiny_wan: write the pipeline, then resolve again, so its folders give the defaults
+        # and are checked like any user's directory.
+        _write_tiny_wan(args)
+        try:
+            args, _ = resolve_args(argv, world_size=world_size_from_env())
+        except ConfigError as exc:
+            print(f"relay: config error: {exc}", file=sys.stderr)
+            return 2
     log.info("%s", plan)
     return run(args)
+
+
+def _write_tiny_wan(args: ResolvedArgs) -> None:
+    """Rank 0 writes trainer.models.wan.tiny's pipeline at pretrained_transformer_path (renamed
+    into place when complete); the other ranks wait for it."""
+    from trainer.models.wan.tiny import write_tiny_wan_pipeline
+
+    path = Path(args.pretrained_transformer_path)
+    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+        log.info("make_tiny_wan: writing a tiny random Wan pipeline at %s", path)
+        write_tiny_wan_pipeline(path, seed=args.seed)
+        return
+    deadline = time.monotonic() + 600
+    while not (path / "model_index.json").is_file() and time.monotonic() < deadline:
+        time.sleep(1.0)
 
 
 def run(args: ResolvedArgs) -> int:

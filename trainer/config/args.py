@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from trainer.encoders.directories import pipeline_defaults
 from trainer.preflight import validate_args
 from trainer.config.schema import (ARGS, LEGACY_KEYS, MODEL_KEYS_IN_OVERRIDES, SECTIONS, Arg, ConfigError,
                             ResolvedArgs, closest_key)
@@ -385,6 +386,8 @@ def resolve_config(config: str | None, overrides: list[str] | dict[str, Any] = (
     args = merge_args(yaml_values, cli)
     args["config"] = str(Path(config).resolve()) if config else None
     _absolute_paths_skip_config(args, Path(cwd) if cwd else Path.cwd())
+    # A diffusers pipeline directory's components fill what the YAML and command line left unset.
+    args.update(pipeline_defaults(args, set(yaml_values) | set(cli)))
     validate_args(args, world_size=world_size, check_paths=check_paths,
                   check_weights=check_weights)
     return args

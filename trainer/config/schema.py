@@ -57,11 +57,19 @@ SECTIONS: dict[str, list[Arg]] = {
             "model starts as the identity. Top-level only; never inside the overrides."),
         Arg("pretrained_transformer_path", "path", None,
             "Warm start: a plain state dict (.pt, .safetensors, a directory holding "
-            "model_state.pt), a checkpoint-N/ directory, its transformer/ DCP directory, or an "
-            "output_dir (its newest complete checkpoint). Used only while output_dir has no "
+            "model_state.pt), a checkpoint-N/ directory, its transformer/ DCP directory, an "
+            "output_dir (its newest complete checkpoint), or a diffusers pipeline directory "
+            "(model_family wan; its vae/, text_encoder/ + tokenizer/ and scheduler/ then give "
+            "vae_path, text_encoder, text_max_tokens, train_timestep_shift and the validation "
+            "sampler unless set: docs/wan.md). Used only while output_dir has no "
             "checkpoint of its own. Needs load_transformer_weights: true.", nullable=True),
         Arg("load_transformer_weights", "bool", False,
             "Load pretrained_transformer_path at start. false with a path set is rejected."),
+        Arg("make_tiny_wan", "bool", False,
+            "Write a tiny random Wan diffusers pipeline (trainer.models.wan.tiny) at "
+            "pretrained_transformer_path when nothing is there yet, before the run reads it: "
+            "a model to try the Wan path on a CPU (config/pipeline/wan-tiny.yaml). model_family "
+            "wan only."),
         Arg("pretrained_weights", "str", "live",
             "Which weights of a training checkpoint a warm start reads: the live weights or "
             "the EMA shadow.", choices=("live", "ema")),

@@ -104,6 +104,7 @@ class MediaEncoder:
             raise EncodeError(f"encoding needs diffusers and transformers: {error}") from None
         except (OSError, ValueError) as error:
             raise EncodeError(f"cannot load the encoders: {error}") from None
+        self._captions: dict[str, torch.Tensor] = {}
 
     def latent(self, frames: np.ndarray) -> torch.Tensor:
         """Normalised latent float32 [C, T, H, W] of frames uint8 [T, H, W, 3] (WanVAE.encode)."""
@@ -111,13 +112,24 @@ class MediaEncoder:
                                          spatial=self.vae.spatial))[0]
 
     def caption(self, caption: str) -> torch.Tensor:
-        """The caption's real tokens' embeddings, float32 [L, D]."""
-        hidden, mask = self.text.encode([caption])
-        return hidden[0, mask[0]]
+        """The caption's real tokens' embeddings, float32 [L, D] (each distinct caption encoded
+        once per process)."""
+        cached = self._captions.get(caption)
+        if cached is None:
+            hidden, mask = self.text.encode([caption])
+            cached = self._captions[caption] = hidden[0, mask[0]]
+        return cached
 
 
 def _row(number: int, entry: dict, encoder: MediaEncoder) -> dict:
     frames, media, fps = load_media(entry["path"])
+    return encode_row(number, frames, media, fps, entry["path"], entry["caption"], encoder)
+
+
+def encode_row(number: int, frames: np.ndarray, media: str, fps: float, file_name: str,
+               caption: str, encoder: MediaEncoder) -> dict:
+    """One row of the data format of frames uint8 [T, H, W, 3] and their caption."""
+    entry = {"path": file_name, "caption": caption}
     latent = encoder.latent(frames).contiguous()
     text = encoder.caption(entry["caption"]).contiguous()
     first = latent[:, :1].contiguous()  # the causal VAE's first latent frame is frame 0 alone

@@ -17,6 +17,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from trainer.encoders.directories import missing_tokenizer, tokenizer_dir
+
 NULL_TOKEN = "<null>"
 
 _WORD = re.compile(r"[a-z0-9]+")
@@ -118,37 +120,11 @@ class StandInTextEncoder:
         return np.where(dims % 2 == 0, np.sin(angles), np.cos(angles)).astype(np.float32)
 
 
-# Each entry is one way a transformers tokenizer can be stored: every file of it must be there.
-TOKENIZER_FILE_SETS = (
-    ("tokenizer.json",),                # a `tokenizers` serialization (fast tokenizers)
-    ("spiece.model",),                  # sentencepiece (T5, UMT5)
-    ("tokenizer.model",),               # sentencepiece (Llama-style)
-    ("sentencepiece.bpe.model",),       # sentencepiece (XLM-R-style)
-    ("vocab.json", "merges.txt"),       # byte-level BPE (GPT-2, Qwen2)
-    ("vocab.txt",),                     # WordPiece (BERT)
-)
-
-
-def missing_tokenizer(directory) -> str | None:
-    """Why `directory` cannot give a tokenizer (one paragraph), or None when it holds one of
-    TOKENIZER_FILE_SETS (or a *.tiktoken file). Checked before transformers is asked, whose own
-    error for a directory without tokenizer files advises installing sentencepiece or tiktoken."""
-    root = Path(directory)
-    names = {p.name for p in root.iterdir()} if root.is_dir() else set()
-    if any(all(f in names for f in files) for files in TOKENIZER_FILE_SETS) or \
-            any(n.endswith(".tiktoken") for n in names):
-        return None
-    wanted = ", ".join(" + ".join(files) for files in TOKENIZER_FILE_SETS)
-    held = ", ".join(sorted(names)[:12]) + (", ..." if len(names) > 12 else "") or "nothing"
-    return (f"the text encoder directory {root} holds no tokenizer: none of {wanted} is there "
-            f"(it holds {held}). Copy the tokenizer files of the same model release into {root} "
-            f"(e.g. tokenizer.json, tokenizer_config.json and special_tokens_map.json, as "
-            f"AutoTokenizer.save_pretrained writes them), or point at a directory that has them.")
-
-
 class TransformersTextEncoder:
     """A transformers text encoder (UMT5, T5, Qwen2-style, ...) with its tokenizer, from a local
-    directory (no hub at run time; needs the `encode` extra).
+    directory (no hub at run time; needs the `encode` extra). The tokenizer is read from the
+    directory, or from the tokenizer/ folder beside it, as a diffusers pipeline directory keeps
+    text_encoder/ and tokenizer/ (trainer.encoders.directories.tokenizer_dir).
 
     encode(captions) gives the hidden state `skip_layer` layers before the last (the seed's
     text_encoder_hidden_state_skip_layer; 0 = the final, normalised output) for the first
@@ -172,7 +148,8 @@ class TransformersTextEncoder:
         missing = missing_tokenizer(self.directory)
         if missing:
             raise ValueError(missing)
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.directory, local_files_only=True)
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir(self.directory)),
+                                                                    local_files_only=True)
         # The class the checkpoint was saved as (UMT5EncoderModel stays encoder-only); AutoModel
         # when the config does not say.
         config = transformers.AutoConfig.from_pretrained(self.directory, local_files_only=True)

@@ -79,12 +79,21 @@ class WanFamily(ModelFamily):
         relay checkpoint, the original release layout) leaves the config to `overrides`."""
         config = super().config(overrides, settings)
         settings = settings or {}
+        from trainer.encoders.directories import tiny_wan_pending
+
         file = self.config_file(settings)
-        if file is None:
+        pending = file is None and tiny_wan_pending(settings)
+        if file is None and not pending:
             return config
         path = settings["pretrained_transformer_path"]
         try:
-            directory = self.config_from_dir(str(path))
+            if pending:  # make_tiny_wan writes trainer.models.wan.tiny's pipeline there first
+                from trainer.models.wan.tiny import TRANSFORMER
+
+                file = f"{path}/transformer/config.json (written by make_tiny_wan)"
+                directory = {**self.defaults(), **TRANSFORMER}
+            else:
+                directory = self.config_from_dir(str(path))
         except ValueError as exc:
             raise ConfigDirError(f"pretrained_transformer_path: {exc}. model_family wan reads the "
                                  f"architecture from a diffusers directory's transformer/config.json: "

@@ -21,10 +21,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from trainer.encoders.directories import TINY_WAN_FLOW_SHIFT, WAN_TEXT_LEN
+
 LATENT_CHANNELS = 4
 TEXT_DIM = 32
-TEXT_LEN = 512          # Wan's text_encoder max length: captions are padded to it
-FLOW_SHIFT = 3.0        # Wan2.1 T2V at 480p ships flow_shift 3.0 (720p: 5.0)
+TEXT_LEN = WAN_TEXT_LEN  # Wan's text_encoder max length: captions are padded to it
+FLOW_SHIFT = TINY_WAN_FLOW_SHIFT  # Wan2.1 T2V at 480p ships flow_shift 3.0 (720p: 5.0)
 SPECIALS = ("<pad>", "</s>", "<unk>")
 
 # The tiny transformer (diffusers' WanTransformer3DModel constructor arguments).

@@ -1,0 +1,161 @@
+"""Which directories a run's VAE, text encoder and tokenizer come from (torch-free, so the login
+node checks them).
+
+A diffusers pipeline directory (model_index.json beside transformer/, vae/, text_encoder/,
+tokenizer/ and scheduler/, as Wan-AI's "-Diffusers" releases ship) given as
+`pretrained_transformer_path` supplies defaults for every key the user did not set:
+
+    vae_path               <dir>/vae                 (when validation decodes or vae/ is there)
+    text_encoder           <dir>/text_encoder        (its tokenizer read from <dir>/tokenizer)
+    text_max_tokens        512                       (Wan's max_sequence_length: captions are
+                                                      padded to it with zero vectors)
+    train_timestep_shift   scheduler/scheduler_config.json's flow_shift (or shift)
+    validation_steps       50, validation_guidance 5.0   (WanPipeline's sampling defaults)
+
+A value the YAML or the command line sets always wins. A folder that is missing is still
+named, so preflight refuses the run with one paragraph (`missing_component`) rather than
+training on the stand-in encoder or the identity VAE.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# Each entry is one way a transformers tokenizer can be stored: every file of it must be there.
+TOKENIZER_FILE_SETS = (
+    ("tokenizer.json",),                # a `tokenizers` serialization (fast tokenizers)
+    ("spiece.model",),                  # sentencepiece (T5, UMT5)
+    ("tokenizer.model",),               # sentencepiece (Llama-style)
+    ("sentencepiece.bpe.model",),       # sentencepiece (XLM-R-style)
+    ("vocab.json", "merges.txt"),       # byte-level BPE (GPT-2, Qwen2)
+    ("vocab.txt",),                     # WordPiece (BERT)
+)
+
+WAN_TEXT_LEN = 512          # WanPipeline's max_sequence_length
+WAN_SAMPLING_STEPS = 50     # WanPipeline's num_inference_steps
+WAN_GUIDANCE = 5.0          # WanPipeline's guidance_scale
+COMPONENTS = ("vae", "text_encoder", "tokenizer", "scheduler")
+TINY_WAN_FLOW_SHIFT = 3.0   # trainer.models.wan.tiny's scheduler (Wan2.1 T2V at 480p)
+
+
+def holds_tokenizer(directory) -> bool:
+    """Whether `directory` holds one of TOKENIZER_FILE_SETS (or a *.tiktoken file)."""
+    root = Path(directory)
+    names = {p.name for p in root.iterdir()} if root.is_dir() else set()
+    return any(all(f in names for f in files) for files in TOKENIZER_FILE_SETS) or \
+        any(n.endswith(".tiktoken") for n in names)
+
+
+def tokenizer_dir(text_encoder_dir) -> Path:
+    """Where the tokenizer of a text encoder directory lives: the directory itself, or, in the
+    diffusers pipeline layout, its sibling tokenizer/ (text_encoder/ and tokenizer/ side by
+    side). The directory itself when neither holds one (the error then names it)."""
+    root = Path(text_encoder_dir)
+    sibling = root.parent / "tokenizer"
+    if not holds_tokenizer(root) and holds_tokenizer(sibling):
+        return sibling
+    return root
+
+
+def missing_tokenizer(directory) -> str | None:
+    """Why the text encoder at `directory` has no tokenizer (one paragraph), or None when it or
+    its sibling tokenizer/ holds one. Checked before transformers is asked, whose own error for
+    a directory without tokenizer files advises installing sentencepiece or tiktoken."""
+    root = Path(directory)
+    if holds_tokenizer(tokenizer_dir(root)):
+        return None
+    names = {p.name for p in root.iterdir()} if root.is_dir() else set()
+    wanted = ", ".join(" + ".join(files) for files in TOKENIZER_FILE_SETS)
+    held = ", ".join(sorted(names)[:12]) + (", ..." if len(names) > 12 else "") or "nothing"
+    return (f"the text encoder directory {root} holds no tokenizer, and neither does "
+            f"{root.parent / 'tokenizer'} beside it: none of {wanted} is there (it holds {held}). "
+            f"Copy the tokenizer files of the same model release into {root} or into a "
+            f"tokenizer/ folder beside it, as a diffusers pipeline directory has them (e.g. "
+            f"tokenizer.json and tokenizer_config.json, as AutoTokenizer.save_pretrained writes "
+            f"them), or point at a directory that has them.")
+
+
+def pipeline_root(path) -> Path | None:
+    """The diffusers pipeline directory `path` names (it, or the pipeline whose transformer/
+    folder it is), or None when it names none (a file, a relay checkpoint, a bare folder)."""
+    if path is None:
+        return None
+    root = Path(path)
+    if (root / "model_index.json").is_file():
+        return root
+    if root.name == "transformer" and (root.parent / "model_index.json").is_file():
+        return root.parent
+    return None
+
+
+def flow_shift(root) -> float | None:
+    """The flow shift a pipeline's scheduler/scheduler_config.json ships (UniPC's flow_shift,
+    FlowMatchEulerDiscrete's shift), or None when it has none or no scheduler/."""
+    file = Path(root) / "scheduler" / "scheduler_config.json"
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+    for key in ("flow_shift", "shift"):
+        value = config.get(key) if isinstance(config, dict) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return float(value)
+    return None
+
+
+def pipeline_defaults(args: dict[str, Any], explicit: set[str] | frozenset[str]) -> dict[str, Any]:
+    """The values a pipeline directory given as pretrained_transformer_path (with
+    load_transformer_weights) supplies for the keys not in `explicit` (those the YAML or the
+    command line set); {} when the run starts from no pipeline directory."""
+    if not args.get("load_transformer_weights"):
+        return {}
+    path = args.get("pretrained_transformer_path")
+    root = pipeline_root(path)
+    unwritten = root is None and tiny_wan_pending(args)
+    if unwritten:
+        root = Path(path)  # the tiny pipeline this run writes there first
+    if root is None:
+        return {}
+    found: dict[str, Any] = {
+        "text_encoder": str(root / "text_encoder"),
+        "text_max_tokens": WAN_TEXT_LEN,
+        "validation_steps": WAN_SAMPLING_STEPS,
+        "validation_guidance": WAN_GUIDANCE,
+    }
+    validates = args.get("validation_interval", 0) >= 0
+    if validates or (root / "vae").is_dir():
+        found["vae_path"] = str(root / "vae")
+    shift = flow_shift(root)
+    if unwritten:
+        shift = TINY_WAN_FLOW_SHIFT
+    if shift is not None:
+        found["train_timestep_shift"] = shift
+    return {key: value for key, value in found.items() if key not in explicit}
+
+
+def tiny_wan_pending(args: dict[str, Any]) -> bool:
+    """Whether the run writes trainer.models.wan.tiny's pipeline at pretrained_transformer_path
+    first (make_tiny_wan, and nothing there yet): its folders are then checked once written."""
+    path = args.get("pretrained_transformer_path")
+    return bool(args.get("make_tiny_wan")) and path is not None and not Path(path).exists()
+
+
+def missing_component(root, key: str, directory) -> str | None:
+    """One paragraph when `directory`, the value of `key` defaulted from the pipeline directory
+    `root`, is not there; None when it is (or when it is not one of root's folders)."""
+    directory = Path(directory)
+    if directory.parent != Path(root):
+        return None
+    config = directory / "config.json"
+    if config.is_file() and (key != "text_encoder" or holds_tokenizer(tokenizer_dir(directory))):
+        return None
+    what = {"vae_path": "vae/ (the AutoencoderKLWan validation decodes through)",
+            "text_encoder": "text_encoder/ and tokenizer/ (the encoder of prompts and of the "
+                            "null caption)"}[key]
+    absent = directory.name + "/" if not config.is_file() else "tokenizer/"
+    return (f"pretrained_transformer_path {root} is a diffusers pipeline directory, so the run "
+            f"uses its {what}, but {absent} is missing or incomplete there. Fetch the complete "
+            f"pipeline directory (model_index.json, transformer/, vae/, text_encoder/, "
+            f"tokenizer/, scheduler/), or set `{key}` to a directory that holds it.")
