@@ -92,6 +92,24 @@ def test_per_frame_times(pair):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_conditioning_frame_at_t0_equals_diffusers_per_token_times_of_wan22_ti2v(pair):
+    # Wan2.2 TI2V keeps the first latent frame clean: its pipeline gives diffusers a time per
+    # token, 0 on the first frame's tokens (a mask over the latent grid, read at the patch
+    # stride) and t on the rest. relay takes the same as a time per latent frame, frame 0 at 0.
+    reference, model, _ = pair
+    x, t, text = _inputs(seed=4)
+    frames, height, width = x.shape[2:]
+    mask = torch.ones(1, 1, frames, height, width)
+    mask[:, :, 0] = 0
+    per_token = torch.stack([(mask[0, 0][:, ::2, ::2] * value).flatten() for value in t])
+    per_frame = t[:, None] * mask[0, 0, :, 0, 0][None]
+    assert per_token.shape == (2, frames * 4 * 3) and per_frame.tolist()[0] == [0.0, 900.0, 900.0]
+    with torch.no_grad():
+        want = reference(x, per_token, text).sample
+        got = model(x, per_frame, text)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_parameter_counts_and_flops_are_exact(pair):
     reference, model, _ = pair
     family = WanFamily()
@@ -167,10 +185,15 @@ def test_refusals_of_another_model_an_i2v_one_and_two_experts(tmp_path):
         family.config_from_dir(str(tmp_path))
 
 
-def test_context_parallel_is_refused(pair):
+def test_context_parallel_attaches_to_every_block(pair):
+    # tests/test_wan_capabilities.py runs every forward at cp = 2 against the unsplit model
+    from trainer.parallel.context_parallel import Ulysses
+
     _, model, _ = pair
-    with pytest.raises(ValueError, match="context-parallel"):
-        model.attach_context_parallel(object())
+    model = WanFamily().build(model.config)
+    ulysses = Ulysses(None, 2, 0, model.geometry.num_heads)
+    model.attach_context_parallel(ulysses)
+    assert model.ulysses is ulysses and all(b.ulysses is ulysses for b in model.blocks)
 
 
 def test_the_family_trains_through_pretrain(tmp_path):
@@ -194,7 +217,7 @@ def test_the_family_trains_through_pretrain(tmp_path):
     assert all(r["loss"] == r["loss"] for r in records)
 
 
-def test_preflight_refuses_context_parallel_for_wan(tmp_path):
+def test_preflight_takes_context_parallel_for_wan(tmp_path):
     from trainer.config.args import resolve_config
     from trainer.config.schema import ConfigError
 
@@ -204,9 +227,10 @@ def test_preflight_refuses_context_parallel_for_wan(tmp_path):
                                                   "out_channels": 3, "text_dim": 32,
                                                   "patch_size": [1, 4, 4]}}
     tiny = str(ROOT / "config/tiny/pretrain.yaml")
-    with pytest.raises(ConfigError, match="model family 'wan' cannot do: context parallel"):
-        resolve_config(tiny, overrides, check_paths=False)
-    resolve_config(tiny, {**overrides, "cp_size": 1}, check_paths=False)
+    resolve_config(tiny, overrides, check_paths=False)
+    odd = {**overrides, "cp_size": 4}  # 2 heads do not split over 4 ranks
+    with pytest.raises(ConfigError, match="attention heads"):
+        resolve_config(tiny, odd, check_paths=False)
 
 
 def test_the_family_imports_without_torch():

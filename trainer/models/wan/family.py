@@ -3,12 +3,16 @@
 Torch-free. The config keys are those of diffusers' `WanTransformer3DModel` (its
 transformer/config.json), plus relay's `attention_backend`; the defaults are Wan2.1-T2V-1.3B's.
 The module half, trainer.models.wan.module.WanTransformer, has diffusers' state-dict keys, so
-the "diffusers" layout is the identity; "original" is the layout of the Wan release
+the "diffusers" layout is the identity but for the second time input (`two_time`:
+`condition_embedder.time_embedder_r.*`, `second_time_keys`), which neither diffusers nor the
+Wan release has: both adapters drop it on the way out (`convert_from_relay`) and a load leaves
+it to `init_second_time_from_first`. "original" is the layout of the Wan release
 (`self_attn.q`, `head.head`, ...).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import re
@@ -18,8 +22,8 @@ from typing import Any
 from trainer.models.backends import ATTENTION_BACKENDS
 from trainer.models.family import (ConfigDirError, Geometry, ModelFamily, ParamCounts,
                                    StateDictAdapter)
-from trainer.models.wan.config import (DIFFUSERS_CLASS, QK_NORM, WAN_DEFAULTS, rope_axes,
-                                      wan_geometry)
+from trainer.models.wan.config import (DIFFUSERS_CLASS, QK_NORM, RELAY_KEYS, SECOND_TIME_PREFIX,
+                                      WAN_DEFAULTS, rope_axes, wan_geometry)
 
 
 class WanFamily(ModelFamily):
@@ -27,9 +31,10 @@ class WanFamily(ModelFamily):
     shared by all blocks and a (6, D) scale/shift/gate table per block."""
 
     name = "wan"
-    # Per-frame times come from the per-token time path Wan2.2 TI2V uses; packed batches,
-    # teacher forcing, the KV cache, a second time input and context parallel are not built.
-    capabilities = frozenset({"per_frame_times"})
+    # Per-frame times come from the per-token time path Wan2.2 TI2V uses.
+    capabilities = frozenset({"per_frame_times", "packed", "teacher_forcing", "kv_cache",
+                              "two_time", "context_parallel"})
+    second_time_keys = (SECOND_TIME_PREFIX + "*",)
 
     def defaults(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, list) else v) for k, v in WAN_DEFAULTS.items()}
@@ -68,6 +73,24 @@ class WanFamily(ModelFamily):
         if config["attention_backend"] not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend {config['attention_backend']!r} is unknown; "
                              f"known: {', '.join(ATTENTION_BACKENDS)}")
+        chunk, window = config.get("causal_chunk_size"), config.get("attn_window_chunks")
+        if chunk is not None:
+            if not _is_int(chunk, 1):
+                raise ValueError(f"causal_chunk_size must be null or an integer >= 1 (latent "
+                                 f"frames per chunk), got {chunk!r}")
+            if chunk % patch[0]:
+                raise ValueError(f"causal_chunk_size ({chunk} latent frames) must be a multiple of "
+                                 f"the temporal patch size {patch[0]}: chunks are whole patch-frames")
+        if window is not None:
+            if not _is_int(window, 0):
+                raise ValueError(f"attn_window_chunks must be null or an integer >= 0, got {window!r}")
+            if chunk is None:
+                raise ValueError("attn_window_chunks needs causal_chunk_size: the window counts chunks")
+        if not isinstance(config.get("two_time", False), bool):
+            raise ValueError(f"two_time must be true or false, got {config['two_time']!r}")
+        gate = config.get("time_gate", 0.25)
+        if isinstance(gate, bool) or not isinstance(gate, (int, float)) or not 0.0 <= gate <= 1.0:
+            raise ValueError(f"time_gate must be a number in [0, 1], got {gate!r}")
 
     def config(self, overrides: dict[str, Any] | None, settings: dict[str, Any] | None = None
                ) -> dict[str, Any]:
@@ -101,7 +124,7 @@ class WanFamily(ModelFamily):
                                  f"directory.") from None
         overrides = dict(overrides or {})
         differ = [key for key, value in sorted(overrides.items())
-                  if key != "attention_backend" and _plain(value) != _plain(directory[key])]
+                  if key not in RELAY_KEYS and _plain(value) != _plain(directory[key])]
         if differ:
             details = ", ".join(f"{key}: overrides {overrides[key]!r}, directory "
                                 f"{directory[key]!r}" for key in differ)
@@ -109,9 +132,8 @@ class WanFamily(ModelFamily):
                 f"transformer_config_overrides disagree with {file}, which pretrained_transformer_"
                 f"path {path} loads: {details}. The weights have the directory's architecture: "
                 f"remove {', '.join(differ)} from transformer_config_overrides (it may be empty; "
-                f"only attention_backend may differ).")
-        if "attention_backend" in overrides:
-            directory["attention_backend"] = overrides["attention_backend"]
+                f"only relay's own keys, {', '.join(RELAY_KEYS)}, may differ).")
+        directory.update({key: overrides[key] for key in RELAY_KEYS if key in overrides})
         return {**directory, **self.settings_config(settings)}
 
     def config_file(self, settings: dict[str, Any]) -> str | None:
@@ -180,13 +202,15 @@ class WanFamily(ModelFamily):
                 + (config["text_dim"] * d + d + d * d + d)  # text MLP
                 + (d * out + out) + 2 * d)  # proj_out, the output table
         muon = config["num_layers"] * (8 * d * d + 2 * d * f)
-        return ParamCounts(total=root + config["num_layers"] * per_block, per_block=per_block,
-                           muon=muon)
+        # the second time input: a copy of the time MLP
+        second = (config["freq_dim"] * d + d + d * d + d) if config.get("two_time") else 0
+        return ParamCounts(total=root + second + config["num_layers"] * per_block,
+                           per_block=per_block, muon=muon, second_time=second)
 
     def forward_flops(self, config: dict[str, Any], video_tokens: int, text_tokens: int) -> float:
         """Per block: self-attention over the video, cross-attention from the video to the
         caption (its K/V computed per block), the FFN (tests/test_step_flops.py holds it to the
-        products diffusers' WanTransformer3DModel runs)."""
+        products diffusers' WanTransformer3DModel runs); a second time input adds its MLP."""
         d = config["num_attention_heads"] * config["attention_head_dim"]
         patch = math.prod(config["patch_size"])
         out_channels = config["out_channels"] or config["in_channels"]
@@ -198,24 +222,28 @@ class WanFamily(ModelFamily):
                  + _linear(length, config["text_dim"], d) + _linear(length, d, d)
                  + _linear(1, config["freq_dim"], d) + _linear(1, d, d) + _linear(1, d, 6 * d)
                  + _linear(n, d, out_channels * patch))
+        if config.get("two_time"):
+            embed += _linear(1, config["freq_dim"], d) + _linear(1, d, d)
         return config["num_layers"] * (self_attention + cross_attention + ffn) + embed
 
     def bidirectional_config(self, config: dict[str, Any]) -> dict[str, Any]:
-        return dict(config)
+        return {**config, "causal_chunk_size": None, "attn_window_chunks": None,
+                "two_time": False}
 
     def setting_hint(self, what: str) -> str:
         return {
-            "causal": "the wan family has no causal form: train this stage with model_family: dit",
-            "two_time": "the wan family has no second time input: train this stage with "
-                        "model_family: dit",
-            "time_gate": "the wan family has no second time input: train this stage with "
-                         "model_family: dit",
-            "single_time": "the wan family is single-time already",
+            "causal": "set `causal_chunk_size` (latent frames per chunk, e.g. 2) in "
+                      "transformer_config_overrides",
+            "two_time": "set `two_time: true` in transformer_config_overrides",
+            "single_time": "set `two_time: false` in transformer_config_overrides",
+            "time_gate": "set `time_gate` in transformer_config_overrides",
         }.get(what, super().setting_hint(what))
 
     def state_dict_adapter(self, layout: str) -> StateDictAdapter:
-        if layout in ("relay", "diffusers"):
+        if layout == "relay":
             return StateDictAdapter()
+        if layout == "diffusers":
+            return DiffusersWanAdapter()
         if layout == "original":
             return OriginalWanAdapter()
         raise ValueError(f"model family 'wan' has no {layout!r} state-dict layout; known: "
@@ -224,8 +252,24 @@ class WanFamily(ModelFamily):
     def build(self, config: dict[str, Any]):
         from trainer.models.wan.module import WanTransformer
 
+        # A config recorded before relay's causal / two-time keys existed gets their defaults.
+        config = {**self.defaults(), **config}
         self.validate(config)
         return WanTransformer(config)
+
+
+def is_second_time_key(key: str) -> bool:
+    """Whether a module key belongs to the second time input (absent from public layouts)."""
+    return any(fnmatch.fnmatchcase(key, p) for p in WanFamily.second_time_keys)
+
+
+class DiffusersWanAdapter(StateDictAdapter):
+    """diffusers' WanTransformer3DModel keys: relay's own, less the second time input, which
+    `convert_from_relay` leaves out (a diffusers export holds the single-time model's keys;
+    a two-time model loaded from diffusers weights gets E_r from init_second_time_from_first)."""
+
+    def convert_from_relay(self, state: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in state.items() if not is_second_time_key(k)}
 
 
 # (relay/diffusers name, original Wan name): whole-key prefixes; the first that matches wins.
@@ -269,6 +313,10 @@ class OriginalWanAdapter(StateDictAdapter):
     def from_relay(self, key: str) -> str:
         return _rename(key, dict(_ROOT_NAMES), dict(_BLOCK_NAMES),
                        ("scale_shift_table", "head.modulation"), ("scale_shift_table", "modulation"))
+
+    def convert_from_relay(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The release's keys; the second time input, which the release has not, is left out."""
+        return {self.from_relay(k): v for k, v in state.items() if not is_second_time_key(k)}
 
 
 def _rename(key: str, root: dict[str, str], block: dict[str, str], root_table: tuple[str, str],

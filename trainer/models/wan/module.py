@@ -25,34 +25,54 @@ Caption padding: Wan was trained on captions padded with zero vectors, attending
 `text_mask` zeroes the padding positions and every position is attended (the output then equals
 diffusers' on the zero-padded caption); the caption length is part of the input, as it is for
 Wan (whose pipeline pads to 512 tokens).
+
+Beyond diffusers' model (docs/model.md, "The wan family"):
+- packed batches (`forward_packed`): samples of different shapes in one sequence, self-attention
+  within each sample's video and cross-attention to its own caption, through the varlen kernels;
+- a second time input (`two_time`): `condition_embedder.time_embedder_r`, mixed as the DiT's,
+  e(t, r) = e_t + time_gate (e_r - e_t), feeding every place temb fed;
+- the causal form (`causal_chunk_size`): block-causal self-attention, teacher forcing and the
+  KV-cache rollout (trainer.models.wan.causal);
+- Ulysses context parallel: the video tokens split over the cp group, self-attention in head
+  space; the caption is small and every rank projects it whole, so cross-attention needs no
+  exchange (each rank's queries attend to the whole caption with every head).
 """
 
 from __future__ import annotations
 
+import copy
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer.models.attention import AttentionPlan, attend, plan_attention
+from trainer.models.attention import AttentionPlan, ChunkLayout, attend, block_causal_mask, \
+    plan_attention, plan_packed
 from trainer.models.dit.module import (HeadRMSNorm, apply_rope, grid_positions, rope_tables,
                                        timestep_features)
-from trainer.models.wan.config import rope_axes, wan_geometry
+from trainer.models.wan.causal import WanCausal
+from trainer.models.wan.config import WAN_DEFAULTS, rope_axes, wan_geometry
 
 __all__ = ["WanTransformer", "WanBlock"]
 
 ROPE_THETA = 10000.0
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """x in float32 where Wan computes in float32 (norms, modulation, gated residuals), or in
+    float64 when it is float64 already (the exact tests)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def _layer_norm(norm: nn.LayerNorm | nn.Identity, x: torch.Tensor) -> torch.Tensor:
-    """A LayerNorm in float32 (diffusers' FP32LayerNorm), returning float32."""
+    """A LayerNorm in float32 (diffusers' FP32LayerNorm), returning float32 (float64 stays)."""
     if isinstance(norm, nn.Identity):
-        return x.float()
-    weight = None if norm.weight is None else norm.weight.float()
-    bias = None if norm.bias is None else norm.bias.float()
-    return F.layer_norm(x.float(), norm.normalized_shape, weight, bias, norm.eps)
+        return _wide(x)
+    weight = None if norm.weight is None else _wide(norm.weight)
+    bias = None if norm.bias is None else _wide(norm.bias)
+    return F.layer_norm(_wide(x), norm.normalized_shape, weight, bias, norm.eps)
 
 
 class WanAttention(nn.Module):
@@ -68,15 +88,16 @@ class WanAttention(nn.Module):
         self.norm_q = HeadRMSNorm(dim, eps=eps)
         self.norm_k = HeadRMSNorm(dim, eps=eps)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor, plan: AttentionPlan,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        q = self.norm_q(self.to_q(x)).unflatten(2, (self.heads, -1))
-        k = self.norm_k(self.to_k(context)).unflatten(2, (self.heads, -1))
-        v = self.to_v(context).unflatten(2, (self.heads, -1))
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = attend(plan, q, k, v).flatten(2).type_as(q)
-        return self.to_out[0](out)
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm_q(self.to_q(x)).unflatten(2, (self.heads, -1))
+
+    def keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) [B, N, heads, head_dim] of tokens x [B, N, D]."""
+        return (self.norm_k(self.to_k(x)).unflatten(2, (self.heads, -1)),
+                self.to_v(x).unflatten(2, (self.heads, -1)))
+
+    def output(self, out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return self.to_out[0](out.flatten(2).type_as(like))
 
 
 class GeluProjection(nn.Module):
@@ -97,6 +118,16 @@ class FeedForward(nn.Module):
         return self.net[2](self.net[0](x))
 
 
+class BlockOutput(NamedTuple):
+    """A block's updated video tokens (None when only the caption's K/V were asked for), the
+    self-attention (k, v) it attended with (RoPE'd; under context parallel in head space: every
+    token, this rank's heads) and the caption's cross-attention (k, v)."""
+
+    x: torch.Tensor | None
+    self_kv: tuple[torch.Tensor, torch.Tensor] | None
+    cross_kv: tuple[torch.Tensor, torch.Tensor]
+
+
 class WanBlock(nn.Module):
     def __init__(self, dim: int, ffn_dim: int, heads: int, cross_attn_norm: bool, eps: float):
         super().__init__()
@@ -107,30 +138,54 @@ class WanBlock(nn.Module):
         self.ffn = FeedForward(dim, ffn_dim)
         self.norm3 = nn.LayerNorm(dim, eps=eps, elementwise_affine=False)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
+        # trainer.parallel.context_parallel.Ulysses when the video tokens are split over a cp group
+        self.ulysses = None
 
-    def forward(self, x: torch.Tensor, text: torch.Tensor, time_proj: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor], self_plan: AttentionPlan,
-                cross_plan: AttentionPlan) -> torch.Tensor:
-        """x [B, N, D]; text [B, L, D]; time_proj [B, S, 6, D]: the N tokens form S equal runs
-        (S = 1: one time per sample; S = frames: one per patch-frame), run s modulated by slot s."""
-        b, n, d = x.shape
+    def forward(self, x: torch.Tensor | None, time_proj: torch.Tensor | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                self_plan: AttentionPlan | None = None, cross_plan: AttentionPlan | None = None,
+                *, context: torch.Tensor | None = None,
+                cross_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                past_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> BlockOutput:
+        """x [B, N, D] video tokens (under context parallel this rank's share); time_proj
+        [B, S, 6, D]: the N tokens form S equal runs (S = 1: one time per sample; S = frames:
+        one per patch-frame; S = N: one per token), run s modulated by slot s. The caption is
+        `context` [B, L, D] (its K/V computed here) or its `cross_kv` (a cache). `past_kv`:
+        committed chunks' self-attention (k, v), seen after the tokens' own keys. With x None
+        only the caption's K/V are computed (a rollout's cache). The model calls blocks only
+        through here, so FSDP2 and activation checkpointing see every call."""
+        if cross_kv is None:
+            cross_kv = self.attn2.keys_values(context)
+        if x is None:
+            return BlockOutput(None, None, cross_kv)
         runs = time_proj.shape[1]
-        mod = self.scale_shift_table[None].float() + time_proj.float()  # [B, S, 6, D]
+        mod = _wide(self.scale_shift_table[None]) + _wide(time_proj)  # [B, S, 6, D]
         shift, scale, gate, c_shift, c_scale, c_gate = mod[:, :, :, None].unbind(2)  # [B, S, 1, D]
 
         def modulate(norm, h, sc, sh):
             return (_layer_norm(norm, h).unflatten(1, (runs, -1)) * (1 + sc) + sh).flatten(1, 2)
 
         def gated(h, out, g):
-            return (h.float().unflatten(1, (runs, -1)) + out.float().unflatten(1, (runs, -1)) * g
+            return (_wide(h).unflatten(1, (runs, -1)) + _wide(out).unflatten(1, (runs, -1)) * g
                     ).flatten(1, 2).type_as(h)
 
         h = modulate(self.norm1, x, scale, shift).type_as(x)
-        x = gated(x, self.attn1(h, h, self_plan, rope), gate)
+        q = self.attn1.query(h)
+        k, v = self.attn1.keys_values(h)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.ulysses is not None:
+            q, k, v = (self.ulysses.to_heads(a) for a in (q, k, v))
+        keys, values = (k, v) if past_kv is None else (torch.cat([k, past_kv[0]], dim=1),
+                                                       torch.cat([v, past_kv[1]], dim=1))
+        out = attend(self_plan, q, keys, values)
+        if self.ulysses is not None:
+            out = self.ulysses.to_tokens(out)
+        x = gated(x, self.attn1.output(out, q), gate)
         h = _layer_norm(self.norm2, x).type_as(x)
-        x = x + self.attn2(h, text, cross_plan)
+        q = self.attn2.query(h)
+        x = x + self.attn2.output(attend(cross_plan, q, *cross_kv), q)
         h = modulate(self.norm3, x, c_scale, c_shift).type_as(x)
-        return gated(x, self.ffn(h), c_gate)
+        return BlockOutput(gated(x, self.ffn(h), c_gate), (k, v), cross_kv)
 
 
 class TimestepEmbedding(nn.Module):
@@ -160,14 +215,16 @@ class ConditionEmbedder(nn.Module):
         self.time_embedder = TimestepEmbedding(freq_dim, dim)
         self.time_proj = nn.Linear(dim, 6 * dim)
         self.text_embedder = TextProjection(text_dim, dim)
+        # the second time input (two_time), made by WanTransformer: E_r next to E_t
+        self.time_embedder_r: TimestepEmbedding | None = None
 
 
-class WanTransformer(nn.Module):
+class WanTransformer(WanCausal, nn.Module):
     """relay's Wan transformer for a complete `wan` config (trainer.models.wan.family)."""
 
     def __init__(self, config: dict[str, Any]):
         super().__init__()
-        self._config = dict(config)
+        self._config = {**WAN_DEFAULTS, **config}
         c = self._config
         heads, head_dim = c["num_attention_heads"], c["attention_head_dim"]
         d = heads * head_dim
@@ -181,6 +238,13 @@ class WanTransformer(nn.Module):
         self.norm_out = nn.LayerNorm(d, eps=c["eps"], elementwise_affine=False)
         self.proj_out = nn.Linear(d, self.out_channels * math.prod(self.patch_size))
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, d) / d**0.5)
+        if c["two_time"]:  # E_r starts as a copy of E_t: e(t, t) = e_t
+            self.condition_embedder.time_embedder_r = copy.deepcopy(
+                self.condition_embedder.time_embedder)
+        # Non-persistent: follows .to(), stays out of the state dict (the keys stay diffusers').
+        self.register_buffer("time_gate", torch.tensor(float(c["time_gate"])), persistent=False)
+        # trainer.parallel.context_parallel.Ulysses when the video tokens are split over a cp group
+        self.ulysses = None
 
     # ---- the protocol's hooks (trainer.models.protocol) -------------------------------------
 
@@ -213,11 +277,26 @@ class WanTransformer(nn.Module):
             block.forward = torch.compile(block.forward)
 
     def attach_context_parallel(self, ulysses) -> None:
-        raise ValueError("model_family wan does not run context-parallel yet: set cp_size: 1")
+        """Run context-parallel through `ulysses` (trainer.parallel.context_parallel.Ulysses):
+        the model splits and gathers the video tokens, every block's self-attention trades
+        tokens for heads; cross-attention runs on the rank's tokens over the whole caption."""
+        for module in (self, *self.blocks):
+            module.ulysses = ulysses
+
+    def init_second_time_from_first(self) -> None:
+        """E_r := E_t (docs/algorithms.md, "Two-time model"), so e(t, t) = e_t right after: the
+        model with single-time weights loaded is exactly that model at r = t. Raises
+        RuntimeError on a single-time model."""
+        embedder = self.condition_embedder
+        if embedder.time_embedder_r is None:
+            raise RuntimeError("the model is single-time (two_time: false): it has no second "
+                               "time input to initialise")
+        with torch.no_grad():
+            embedder.time_embedder_r.load_state_dict(embedder.time_embedder.state_dict())
 
     # ---- inputs ------------------------------------------------------------------------------
 
-    def _frame_times(self, t: Any, batch: int, frames: int, device) -> torch.Tensor:
+    def _frame_times(self, t: Any, batch: int, frames: int, name: str, device) -> torch.Tensor:
         """Times per patch-frame: [B, 1] per sample, [B, T / pt] per frame (all equal: [B, 1])."""
         t = torch.as_tensor(t, device=device)
         if t.ndim == 0:
@@ -227,71 +306,247 @@ class WanTransformer(nn.Module):
         if t.ndim == 2 and tuple(t.shape) == (batch, frames):
             t = t[:, :: self.patch_size[0]]
             return t[:, :1] if bool((t == t[:, :1]).all()) else t
-        raise ValueError(f"t must be a scalar, [B]={[batch]} or [B, T]={[batch, frames]}, "
+        raise ValueError(f"{name} must be a scalar, [B]={[batch]} or [B, T]={[batch, frames]}, "
                          f"got {list(t.shape)}")
 
-    def _check(self, x: torch.Tensor, text: torch.Tensor, text_mask: torch.Tensor | None) -> None:
+    def _embed_time(self, t: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+        """temb [..., D] of raw times t [...] (and r, two-time: e_t + gate (e_r - e_t), exactly
+        e_t when E_r = E_t and r = t; r None = t)."""
+        embedder = self.condition_embedder
+
+        def embed(mlp, times):
+            features = timestep_features(times.float(), embedder.freq_dim)
+            return mlp(features.to(mlp.linear_1.weight.dtype))
+
+        e = embed(embedder.time_embedder, t)
+        if embedder.time_embedder_r is None:
+            return e
+        e_r = embed(embedder.time_embedder_r, t if r is None else r)
+        return e + self.time_gate.to(e.dtype) * (e_r - e)
+
+    def _conditioning(self, t: Any, r: Any, batch: int, frames: int, device) -> torch.Tensor:
+        """temb per patch-frame slot: [B, 1, D] or [B, T / pt, D]."""
+        if r is not None and self.condition_embedder.time_embedder_r is None:
+            raise ValueError("r was given but the model is single-time: build it with "
+                             "two_time: true for a second time input")
+        t_f = self._frame_times(t, batch, frames, "t", device)
+        r_f = None if r is None else self._frame_times(r, batch, frames, "r", device)
+        if r_f is not None and r_f.shape[1] != t_f.shape[1]:
+            width = max(t_f.shape[1], r_f.shape[1])
+            t_f, r_f = t_f.expand(batch, width), r_f.expand(batch, width)
+        return self._embed_time(t_f, r_f)
+
+    def _check_video(self, x: torch.Tensor, name: str = "x") -> tuple[int, int, int, int]:
         c = self._config
         if x.ndim != 5 or x.shape[1] != c["in_channels"]:
-            raise ValueError(f"x must be [B, {c['in_channels']}, T, H, W], got {list(x.shape)}")
+            raise ValueError(f"{name} must be [B, {c['in_channels']}, T, H, W], got {list(x.shape)}")
         for size, patch, axis in zip(x.shape[2:], self.patch_size, "THW"):
             if size % patch:
-                raise ValueError(f"x: {axis}={size} is not a multiple of the patch size {patch}")
-        if text.ndim != 3 or text.shape[0] != x.shape[0] or text.shape[2] != c["text_dim"]:
-            raise ValueError(f"text must be [B={x.shape[0]}, L, {c['text_dim']}], got {list(text.shape)}")
+                raise ValueError(f"{name}: {axis}={size} is not a multiple of the patch size {patch}")
+        return x.shape[0], x.shape[2], x.shape[3], x.shape[4]
+
+    def _check_text(self, text: torch.Tensor, text_mask: torch.Tensor | None, batch: int) -> None:
+        c = self._config
+        if text.ndim != 3 or text.shape[0] != batch or text.shape[2] != c["text_dim"]:
+            raise ValueError(f"text must be [B={batch}, L, {c['text_dim']}], got {list(text.shape)}")
         if text_mask is not None and (text_mask.dtype != torch.bool
                                       or text_mask.shape != text.shape[:2]):
             raise ValueError(f"text_mask must be bool [B, L]={list(text.shape[:2])}, "
                              f"got {text_mask.dtype} {list(text_mask.shape)}")
+
+    def _context(self, text: torch.Tensor, text_mask: torch.Tensor | None) -> torch.Tensor:
+        """The embedded caption [..., L, D], its padding (text_mask False) zeroed first."""
+        if text_mask is not None:
+            text = text * text_mask[..., None].to(text.dtype)
+        return self.condition_embedder.text_embedder(text)
+
+    def _patchify(self, x: torch.Tensor) -> torch.Tensor:
+        return self.patch_embedding(x).flatten(2).transpose(1, 2).contiguous()  # [B, N, D]
+
+    def _unpatchify(self, out: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:
+        pt, ph, pw = self.patch_size
+        b = out.shape[0]
+        out = out.reshape(b, frames // pt, height // ph, width // pw, pt, ph, pw, self.out_channels)
+        return out.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(b, self.out_channels, frames, height,
+                                                            width)
+
+    def _grid(self, frames: int, height: int, width: int) -> tuple[int, int, int]:
+        pt, ph, pw = self.patch_size
+        return frames // pt, height // ph, width // pw
+
+    def _chunk_frames(self) -> int:
+        """Chunk size in patch-frames; raises ValueError when the model has no chunks."""
+        if self._config["causal_chunk_size"] is None:
+            raise ValueError("this needs a causal model: set causal_chunk_size in the wan config")
+        return self._config["causal_chunk_size"] // self.patch_size[0]
+
+    # ---- attention plans ---------------------------------------------------------------------
 
     def _compute_dtype(self, device: torch.device) -> torch.dtype:
         if torch.is_autocast_enabled(device.type):
             return torch.get_autocast_dtype(device.type)
         return self.proj_out.weight.dtype
 
-    def _plan(self, num_queries: int, num_keys: int, device) -> AttentionPlan:
+    def _plan(self, num_queries: int, num_keys: int, device,
+              layout: ChunkLayout | None = None) -> AttentionPlan:
         return plan_attention(self._config["attention_backend"], num_queries=num_queries,
                               num_keys=num_keys, head_dim=self._config["attention_head_dim"],
-                              dtype=self._compute_dtype(device), device=device)
+                              dtype=self._compute_dtype(device), device=device, layout=layout)
 
-    # ---- forward -----------------------------------------------------------------------------
+    def _local(self, num_tokens: int) -> int:
+        """The tokens of num_tokens this rank holds (all of them without context parallel)."""
+        return num_tokens if self.ulysses is None else num_tokens // self.ulysses.size
+
+    def _packed_plan(self, query_ids: torch.Tensor, key_ids: torch.Tensor,
+                     dense: torch.Tensor | None = None) -> AttentionPlan:
+        """Queries of a pack over keys of the same sample (ids: long, queries non-decreasing):
+        a varlen kernel where one runs, else SDPA with the dense mask (`dense`, bool
+        [Nq, Nk], when given: a mask within samples, e.g. block-causal)."""
+        plan = None
+        if dense is None:
+            plan = plan_packed(self._config["attention_backend"], query_ids, key_ids,
+                               torch.ones_like(key_ids, dtype=torch.bool),
+                               head_dim=self._config["attention_head_dim"],
+                               dtype=self._compute_dtype(query_ids.device))
+        if plan is None:
+            mask = (query_ids[:, None] == key_ids[None, :]) if dense is None else dense
+            plan = AttentionPlan("sdpa", None, mask[None, None])
+        return plan
+
+    # ---- the blocks --------------------------------------------------------------------------
+
+    def _run(self, tokens, temb, slots, positions, self_plan, cross_plan, *, context=None,
+             cross_kv=None, past=None, collect_kv=False):
+        """The blocks and the head over video tokens [B, N, D]: (head output [B, N, patch
+        values], per-layer detached self-attention (k, v) if collect_kv else []).
+
+        temb [B, S, D]: conditioning slots; the tokens form G equal runs, run g taking slot
+        slots[g] (None: G = S). The caption is `context` [B, L, D] or per-layer `cross_kv`;
+        past[layer]: committed chunks' (k, v). Under context parallel the blocks run on this
+        rank's strided share of the tokens (positions and runs follow them) and the output is
+        gathered back into the whole sequence.
+        """
+        if self.ulysses is not None:
+            groups = temb.shape[1] if slots is None else slots.shape[0]
+            tokens, slots, positions = self.ulysses.split(tokens, slots, positions, groups)
+        time_proj = self.condition_embedder.time_proj(F.silu(temb)).unflatten(2, (6, -1))
+        if slots is not None:
+            temb, time_proj = temb.index_select(1, slots), time_proj.index_select(1, slots)
+        work = torch.float64 if self._compute_dtype(tokens.device) == torch.float64 else torch.float32
+        rope = rope_tables(positions, rope_axes(self._config["attention_head_dim"]), ROPE_THETA,
+                           dtype=work)
+        collected = []
+        for i, block in enumerate(self.blocks):
+            out = block(tokens, time_proj, rope, self_plan, cross_plan, context=context,
+                        cross_kv=None if cross_kv is None else cross_kv[i],
+                        past_kv=None if past is None else past[i])
+            tokens = out.x
+            if collect_kv:
+                collected.append((out.self_kv[0].detach(), out.self_kv[1].detach()))
+        runs = temb.shape[1]
+        shift, scale = (_wide(self.scale_shift_table[None]) + _wide(temb[:, :, None])
+                        )[:, :, :, None].unbind(2)  # [B, S, 1, D]
+        h = _layer_norm(self.norm_out, tokens).unflatten(1, (runs, -1)) * (1 + scale) + shift
+        out = self.proj_out(h.flatten(1, 2).type_as(tokens))
+        return (out if self.ulysses is None else self.ulysses.gather(out)), collected
+
+    def _pad_to_split(self, tokens, positions, slots):
+        """A pack's tokens [1, N, D], RoPE positions [N, 3] and per-token slots [N], padded
+        under context parallel with zero tokens to a multiple of cp_size: (tokens, positions,
+        slots, padding). The padding is a sequence of its own in self-attention."""
+        pad = 0 if self.ulysses is None else self.ulysses.padding(tokens.shape[1])
+        if not pad:
+            return tokens, positions, slots, 0
+        return (torch.cat([tokens, tokens.new_zeros(1, pad, tokens.shape[2])], dim=1),
+                torch.cat([positions, positions.new_zeros(pad, 3)]),
+                torch.cat([slots, slots.new_zeros(pad)]), pad)
+
+    def _cross_queries(self, query_ids: torch.Tensor, padding: int, last: int) -> torch.Tensor:
+        """The sample of each cross-attention query this rank runs: the pack's padding attends
+        to sample `last`'s caption (its output is dropped)."""
+        ids = torch.cat([query_ids, query_ids.new_full((padding,), last)])
+        return ids if self.ulysses is None else self.ulysses.share(ids, dim=0)
+
+    # ---- forwards ----------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, t: Any, text: torch.Tensor,
-                text_mask: torch.Tensor | None = None, r: Any = None) -> torch.Tensor:
+                text_mask: torch.Tensor | None = None, r: Any = None,
+                causal: bool | None = None) -> torch.Tensor:
         """Velocity [B, C_out, T, H, W] for latents x [B, C, T, H, W] at raw times t (scalar,
-        [B] or [B, T]), caption text [B, L, text_dim] (text_mask bool [B, L]: its False
-        positions are zeroed). Raises ValueError for mismatched shapes or an `r` (the wan family
-        has no second time input)."""
-        if r is not None:
-            raise ValueError("r was given, but the wan family has no second time input")
-        self._check(x, text, text_mask)
-        b, _, frames, height, width = x.shape
-        pt, ph, pw = self.patch_size
-        grid = (frames // pt, height // ph, width // pw)
-        embedder = self.condition_embedder
-
-        times = self._frame_times(t, b, frames, x.device)  # [B, S]
-        features = timestep_features(times.float(), embedder.freq_dim)
-        temb = embedder.time_embedder(features.to(embedder.time_embedder.linear_1.weight.dtype))
-        time_proj = embedder.time_proj(F.silu(temb)).unflatten(2, (6, -1))  # [B, S, 6, D]
-        if text_mask is not None:
-            text = text * text_mask[..., None].to(text.dtype)
-        context = embedder.text_embedder(text)
-
-        tokens = self.patch_embedding(x).flatten(2).transpose(1, 2).contiguous()  # [B, N, D]
+        [B] or [B, T]; r likewise, two-time models only, None = t), caption text [B, L,
+        text_dim] (text_mask bool [B, L]: its False positions are zeroed). causal: None follows
+        the config (block-causal over chunks of causal_chunk_size frames when set), False
+        forces bidirectional. Raises ValueError for mismatched shapes or r on a single-time
+        model."""
+        b, frames, height, width = self._check_video(x)
+        self._check_text(text, text_mask, b)
+        grid = self._grid(frames, height, width)
+        if causal is None:
+            causal = self._config["causal_chunk_size"] is not None
+        layout = None
+        if causal:
+            layout = ChunkLayout("block_causal", grid[0], grid[1] * grid[2], self._chunk_frames(),
+                                 self._config["attn_window_chunks"], 0)
+        temb = self._conditioning(t, r, b, frames, x.device)
+        context = self._context(text, text_mask)
+        tokens = self._patchify(x)
         n = tokens.shape[1]
-        work = torch.float64 if self._compute_dtype(x.device) == torch.float64 else torch.float32
-        rope = rope_tables(grid_positions(*grid, 0, x.device),
-                           rope_axes(self._config["attention_head_dim"]), ROPE_THETA, dtype=work)
-        self_plan = self._plan(n, n, x.device)
-        cross_plan = self._plan(n, context.shape[1], x.device)
-        for block in self.blocks:
-            tokens = block(tokens, context, time_proj, rope, self_plan, cross_plan)
+        out, _ = self._run(tokens, temb, None, grid_positions(*grid, 0, x.device),
+                           self._plan(n, n, x.device, layout),
+                           self._plan(self._local(n), context.shape[1], x.device),
+                           context=context)
+        return self._unpatchify(out, frames, height, width)
 
-        runs = times.shape[1]
-        shift, scale = (self.scale_shift_table[None].float() + temb[:, :, None].float()
-                        )[:, :, :, None].unbind(2)  # [B, S, 1, D]
-        h = (_layer_norm(self.norm_out, tokens).unflatten(1, (runs, -1)) * (1 + scale) + shift)
-        out = self.proj_out(h.flatten(1, 2).type_as(tokens))
-        out = out.reshape(b, *grid, pt, ph, pw, self.out_channels)
-        return out.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(b, self.out_channels, frames, height, width)
+    def forward_packed(self, xs: list[torch.Tensor], ts: list[Any], texts: list[torch.Tensor],
+                       text_masks: list[torch.Tensor], causal: bool | None = None
+                       ) -> list[torch.Tensor]:
+        """Predictions [C_out, T_i, H_i, W_i] for samples of different shapes run as one pack:
+        xs [C, T_i, H_i, W_i], ts each sample's raw time (scalar or [T_i]), texts [L_i,
+        text_dim], text_masks bool [L_i]. Each sample's tokens attend to its own video (its own
+        RoPE grid from 0) and its own caption, so each prediction equals forward() on that
+        sample alone; causal as in forward(), within each sample."""
+        from trainer.data.packing import pack_layout
+
+        layout = pack_layout(xs, texts, self.patch_size)
+        if causal is None:
+            causal = self._config["causal_chunk_size"] is not None
+        within = None
+        if causal:
+            chunk = self._chunk_frames()
+            within = [block_causal_mask(f, r * c, chunk, self._config["attn_window_chunks"])
+                      for f, r, c in layout.grids]
+        conds, slots = [], []
+        for x, t, (frames, rows, cols) in zip(xs, ts, layout.grids):
+            conds.append(self._conditioning(torch.as_tensor(t, device=x.device)[None], None, 1,
+                                            x.shape[1], x.device))
+            per_frame = torch.arange(frames, device=x.device).repeat_interleave(rows * cols)
+            slots.append(per_frame if conds[-1].shape[1] > 1 else per_frame * 0)
+        tokens = torch.cat([self._patchify(x[None]) for x in xs], dim=1)
+        pieces = self._run_pack(tokens, conds, slots, layout, texts, text_masks, within)
+        return [self._unpatchify(p, *x.shape[1:])[0] for p, x in zip(pieces, xs)]
+
+    def _run_pack(self, tokens, conds, slots, layout, texts, text_masks, within):
+        """The blocks over a pack's tokens [1, N, D]: conds[i] [1, S_i, D] are sample i's
+        conditioning slots and slots[i] (long, one per token) which of them each of its tokens
+        takes; within[i] (None: all) sample i's own self-attention mask. Returns the head
+        output split per sample ([1, n_i, patch values] each)."""
+        offsets = [0]
+        for cond in conds[:-1]:
+            offsets.append(offsets[-1] + cond.shape[1])
+        slots = torch.cat([o + s for o, s in zip(offsets, slots)])
+        device = tokens.device
+        tokens, positions, slots, pad = self._pad_to_split(tokens, layout.positions(device), slots)
+        samples = len(layout.grids)
+        video_ids = layout.video_ids(device)
+        query_ids = torch.cat([video_ids, video_ids.new_full((pad,), samples)])
+        dense = None
+        if within is not None:  # a mask within each sample: dense, for SDPA
+            dense = torch.block_diag(*(w.to(device) for w in within),
+                                     torch.ones(pad, pad, dtype=torch.bool, device=device))
+        self_plan = self._packed_plan(query_ids, query_ids, dense)
+        cross_plan = self._packed_plan(self._cross_queries(video_ids, pad, samples - 1),
+                                       layout.text_ids(device))
+        context = self._context(torch.cat(texts)[None], torch.cat(text_masks)[None])
+        out, _ = self._run(tokens, torch.cat(conds, dim=1), slots, positions, self_plan,
+                           cross_plan, context=context)
+        return out[:, :sum(layout.video_lens)].split(layout.video_lens, dim=1)
