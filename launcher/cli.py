@@ -335,11 +335,43 @@ def cmd_data_plan(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _encoder_dirs(ns: argparse.Namespace) -> tuple[str, str]:
+    """--vae and --text-encoder, each defaulting to the folder of --pipeline (a diffusers
+    pipeline directory: vae/, text_encoder/ with tokenizer/ beside it). Raises ValueError
+    naming what is missing."""
+    from trainer.encoders.directories import missing_component, pipeline_root
+
+    vae, text = ns.vae, ns.text_encoder
+    if ns.pipeline is not None:
+        root = pipeline_root(ns.pipeline)
+        if root is None:
+            raise ValueError(f"--pipeline {ns.pipeline} is not a diffusers pipeline directory "
+                             f"(no model_index.json): point it at the directory that holds "
+                             f"model_index.json, vae/, text_encoder/ and tokenizer/")
+        vae = vae or str(root / "vae")
+        text = text or str(root / "text_encoder")
+        for key, value in (("vae_path", vae), ("text_encoder", text)):
+            problem = missing_component(root, key, value)
+            if problem:
+                raise ValueError(problem.replace("pretrained_transformer_path", "--pipeline")
+                                 .replace("`vae_path`", "--vae")
+                                 .replace("`text_encoder`", "--text-encoder"))
+    if vae is None or text is None:
+        raise ValueError("give --pipeline (a diffusers pipeline directory), or both --vae and "
+                         "--text-encoder")
+    return vae, text
+
+
 def cmd_data_encode(ns: argparse.Namespace) -> int:
     from trainer.data.encode import EncodeError, encode_manifest
 
     try:
-        summary = encode_manifest(ns.manifest, vae_dir=ns.vae, text_encoder_dir=ns.text_encoder,
+        vae, text = _encoder_dirs(ns)
+    except ValueError as exc:
+        print(f"relay data encode: {exc}", file=sys.stderr)
+        return 2
+    try:
+        summary = encode_manifest(ns.manifest, vae_dir=vae, text_encoder_dir=text,
                                   out_dir=ns.out, rank=ns.rank, world_size=ns.world_size,
                                   skip_layer=ns.skip_layer, rows_per_shard=ns.rows_per_shard,
                                   device=ns.device)
@@ -387,9 +419,13 @@ def _add_data_verbs(sub) -> None:
     p = data_sub.add_parser("encode", help="encode videos/images and captions into shards "
                                            "(needs the encode extra)")
     p.add_argument("manifest", help="CSV or JSON list of {path, caption}")
-    p.add_argument("--vae", required=True, help="a diffusers AutoencoderKLWan directory")
-    p.add_argument("--text-encoder", dest="text_encoder", required=True,
-                   help="a transformers text encoder directory (with its tokenizer)")
+    p.add_argument("--pipeline", default=None,
+                   help="a diffusers pipeline directory (e.g. Wan's): its vae/ and text_encoder/ "
+                        "+ tokenizer/ are the defaults of --vae and --text-encoder")
+    p.add_argument("--vae", default=None, help="a diffusers AutoencoderKLWan directory")
+    p.add_argument("--text-encoder", dest="text_encoder", default=None,
+                   help="a transformers text encoder directory (its tokenizer in it or in "
+                        "tokenizer/ beside it)")
     p.add_argument("--out", required=True, help="output dataset directory")
     p.add_argument("--rank", type=int, default=None,
                    help="this process's share of the manifest (default: RANK or SLURM_PROCID, else 0)")
