@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from launcher.cli import main as relay_main
 from trainer.evaluation import export
+from trainer.models.registry import get_family
 from trainer.models.wan import tiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -229,3 +230,15 @@ def test_what_cannot_be_exported_is_refused_in_one_paragraph(runs, tmp_path, cap
              needles=("--components applies to --format diffusers, not to --format relay",))
     assert not (tmp_path / "a").exists() and not (tmp_path / "m.safetensors").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporaries
+
+
+def test_relay_only_settings_diffusers_cannot_run_are_refused():
+    spec = export.DIFFUSERS_EXPORTS["wan"]
+    family = get_family("wan")
+    config = family.config(tiny.TRANSFORMER)
+    kept = export._diffusers_config(spec, {**config, "attention_backend": "sdpa"}, "wan")
+    assert kept == {k: v for k, v in config.items() if k in kept} and "attention_backend" not in kept
+    assert {k: kept[k] for k in tiny.TRANSFORMER} == tiny.TRANSFORMER
+    for key, value in (("two_time", True), ("causal_chunk_size", 1), ("a_new_key", 0)):
+        with pytest.raises(export.ExportError, match=f"{key}: .*--format relay"):
+            export._diffusers_config(spec, {**config, key: value}, "wan")
