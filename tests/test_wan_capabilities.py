@@ -281,3 +281,44 @@ def _env():
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "WANDB_API_KEY"):
         env.pop(key, None)
     return env
+
+
+# ---- the stages ----------------------------------------------------------------------------
+
+WAN = ("{num_attention_heads: 2, attention_head_dim: 8, num_layers: 2, ffn_dim: 32, "
+       "in_channels: 3, out_channels: 3, text_dim: 32, freq_dim: 32, patch_size: [1, 4, 4]")
+
+
+def _train(config: str, out: Path, data: Path, model: str, *extra: str, steps: int = 2):
+    proc = subprocess.run(
+        [sys.executable, "trainer/train.py", "--config", f"config/tiny/{config}.yaml",
+         "--model_family", "wan", "--transformer_config_overrides", model,
+         "--train_batch_size", "2", "--synthetic_num_samples", "8", "--max_steps", str(steps),
+         "--log_interval", "1", "--validation_interval", "-1", "--data_path", str(data),
+         "--output_dir", str(out), *extra],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    return records
+
+
+def test_tiny_wan_trains_through_stage1_and_stage2(tmp_path):
+    """FM (the teacher) -> Stage1 (causal, two-time: E_r copied from E_t, teacher forcing) ->
+    Stage2 (the Stage1 student without E_r, a KV-cached rollout; bidirectional teacher and
+    critic from the FM run), two steps each."""
+    data = tmp_path / "data"
+    _train("pretrain", tmp_path / "fm", data, WAN + "}", steps=1)
+    stage1 = _train("stage1", tmp_path / "stage1", data,
+                    WAN + ", causal_chunk_size: 2, two_time: true, time_gate: 0.25}",
+                    "--pretrained_transformer_path", str(tmp_path / "fm"),
+                    "--pretrained_weights", "live")
+    assert all(r["loss"] == r["loss"] for r in stage1)
+    report = json.loads((tmp_path / "stage1" / "warm-start.json").read_text())
+    assert json.dumps(report).count('"second_time": "copied from the first"') == 1
+    stage2 = _train("stage2", tmp_path / "stage2", data, WAN + ", causal_chunk_size: 2}",
+                    "--student_init_path", str(tmp_path / "stage1"), "--student_init_weights",
+                    "live", "--teacher_init_path", str(tmp_path / "fm"),
+                    "--teacher_init_weights", "live", "--critic_init_path", str(tmp_path / "fm"),
+                    "--critic_init_weights", "live", "--generator_update_interval", "1")
+    assert "generator_loss" in stage2[-1] and stage2[-1]["critic_loss"] == stage2[-1]["critic_loss"]

@@ -192,3 +192,28 @@ def test_a_cp_split_that_cannot_work_is_refused_before_a_model_exists(tmp_path):
     # a sentence from each rank, no traceback of relay's (torchrun's agent prints its own)
     assert not [line for line in proc.stderr.splitlines() if 'File "' in line and "/trainer/" in line]
     assert not out.exists() and not (tmp_path / "data").exists()  # nothing was built or written
+
+
+WAN_MODEL = ("{num_attention_heads: 2, attention_head_dim: 8, num_layers: 2, ffn_dim: 32, "
+             "in_channels: 3, out_channels: 3, text_dim: 32, freq_dim: 32, patch_size: [1, 4, 4]}")
+
+
+def test_wan_trains_the_same_at_dp2_and_cp2_and_a_cp2_checkpoint_resumes_at_dp2(tmp_path):
+    # The wan family (cross-attention to the caption; every rank projects the caption whole)
+    # through the same harness: one global batch of 8 on two ranks, split by data or by sequence.
+    data = tmp_path / "data"
+    common = ("--model_family", "wan", "--transformer_config_overrides", WAN_MODEL, *CAPTION,
+              "--max_steps", "4", "--save_interval", "2")
+    train(tmp_path / "dp2", data, 2, *common, "--train_batch_size", "4")
+    train(tmp_path / "cp2", data, 2, *common, "--train_batch_size", "8", "--cp_size", "2")
+    assert_same_trajectory(tmp_path / "cp2", tmp_path / "dp2")
+    assert read_complete(tmp_path / "cp2" / "checkpoint-4")["cp_size"] == 2  # the split is real
+    out = tmp_path / "resume-cp2-at-dp2"
+    out.mkdir()
+    subprocess.run(["cp", "-r", str(tmp_path / "cp2" / "checkpoint-2"), str(out)], check=True)
+    proc = train(out, data, 2, *common, "--train_batch_size", "4")
+    assert "resumed from" in proc.stderr
+    got, want = records(out), records(tmp_path / "cp2")
+    assert sorted(got) == [3, 4]
+    assert [(got[s]["loss"], got[s]["grad_norm"]) for s in got] == \
+        [(want[s]["loss"], want[s]["grad_norm"]) for s in got]  # bit for bit
