@@ -147,7 +147,9 @@ def test_the_pipeline_the_run_started_from_joins_the_export_and_wan_pipeline_loa
     assert f"from {runs['pipeline']} (the pipeline the run started from)" in stdout
     assert re.search(r"\d+ files? hardlinked", stdout), stdout
     source = runs["pipeline"]
-    for part in ("model_index.json", "vae/config.json", "scheduler/scheduler_config.json",
+    assert json.loads((out / "model_index.json").read_text()) == \
+        json.loads((source / "model_index.json").read_text())
+    for part in ("vae/config.json", "scheduler/scheduler_config.json",
                  "tokenizer/tokenizer.json", "text_encoder/model.safetensors"):
         assert (out / part).read_bytes() == (source / part).read_bytes(), part
     vae = "vae/diffusion_pytorch_model.safetensors"

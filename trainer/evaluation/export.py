@@ -215,7 +215,8 @@ def write_diffusers(source: ExportSource, out: Path, *, overwrite: bool,
                  f"{_count(len(files), 'safetensors file')}"
                  f"{' with an index' if len(files) > 1 else ''}, from {source.describe()}"]
         if pipeline is not None:
-            linked, copied = _place_components(pipeline, [MODEL_INDEX, *names], tmp)
+            linked, copied = _place_components(pipeline, names, tmp)
+            _write_model_index(pipeline, spec, tmp)
             lines.append(f"took {', '.join([MODEL_INDEX, *names])} from {pipeline} ({note}): "
                          f"{_count(linked, 'file')} hardlinked, {copied} copied")
         else:
@@ -381,6 +382,14 @@ def _pipeline_components(pipeline: Path, spec: DiffusersExport) -> list[str]:
 
 def _pipeline_class(spec: DiffusersExport) -> str:
     return {"WanTransformer3DModel": "WanPipeline"}.get(spec.class_name, "DiffusionPipeline")
+
+
+def _write_model_index(pipeline: Path, spec: DiffusersExport, target: Path) -> None:
+    """The pipeline's model_index.json, its transformer entry naming the exported class (a
+    source may leave it null), written as a new file (never through a link to the source's)."""
+    index = _read_json(pipeline / MODEL_INDEX)
+    index[TRANSFORMER_DIR] = ["diffusers", spec.class_name]
+    (target / MODEL_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def _place_components(pipeline: Path, names: list[str], target: Path) -> tuple[int, int]:
