@@ -25,10 +25,10 @@ STAGE_CAPABILITIES: dict[str, tuple[str, ...]] = {
 
 def validate_stage(args: ResolvedArgs) -> None:
     """Raise ConfigError when args.stage cannot run with these arguments (warn where harmless)."""
+    validate_lora(args)  # first: a stage a LoRA cannot train is refused for that reason
     _require_capabilities(family_of(args), args.stage, _needs_of_the_data(args))
     _check_tf_anyflow(args)
     _check_dmd_sgf(args)
-    validate_lora(args)
 
 
 def _needs_of_the_data(args: ResolvedArgs) -> tuple[str, ...]:

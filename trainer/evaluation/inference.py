@@ -19,6 +19,7 @@ from torch import nn
 from trainer.checkpoint.layout import CheckpointError, list_checkpoints
 from trainer.checkpoint.warm_start import load_warm_start
 from trainer.config.schema import ResolvedArgs
+from trainer.models.lora_targets import lora_enabled
 
 
 # The role that `relay sample` / `relay eval` sample from, for stages with several roles.
@@ -88,7 +89,12 @@ def load_model_for_inference(path: str | Path, weights: str = "auto",
     # Multi-role checkpoints keep the sampled model's live weights under its role name.
     member = INFERENCE_MEMBER.get(args.get("stage", "fm")) if weights == "live" else None
     try:
-        load_warm_start(checkpoint, model, weights=weights, member=member)
+        if lora_enabled(args):  # base by reference, adapters from the checkpoint (docs/lora.md)
+            from trainer.models.lora import load_lora_checkpoint
+
+            load_lora_checkpoint(model, args, checkpoint, weights=weights, member=member)
+        else:
+            load_warm_start(checkpoint, model, weights=weights, member=member)
     except CheckpointError as exc:
         raise InferenceError(str(exc)) from None
     model.eval()

@@ -36,7 +36,8 @@ DIFFUSERS_PREFIX = "transformer."
 
 __all__ = ["lora_enabled", "apply_lora", "lora_config", "adapter_key", "module_key",
            "is_adapter_key", "adapter_state_dict", "read_adapter", "load_adapter",
-           "merge_adapter", "target_names", "prepare_lora", "base_state_dict"]
+           "merge_adapter", "target_names", "prepare_lora", "load_base", "base_state_dict",
+           "checkpoint_adapters", "load_lora_checkpoint"]
 
 
 def is_adapter_key(key: str) -> bool:
@@ -196,11 +197,9 @@ def base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             for name, value in model.state_dict().items() if not is_adapter_key(name)}
 
 
-def prepare_lora(model: nn.Module, args) -> nn.Module:
-    """A LoRA run's module: the frozen base loaded from pretrained_transformer_path (strict,
-    as a warm start: trainer.checkpoint.warm_start), the adapters applied, then started from
-    lora_init_path when it is set. Returns `model`. Raises CheckpointError for a base that
-    does not fit, ValueError for targets or init adapters that do not."""
+def load_base(model: nn.Module, args) -> dict:
+    """Load the frozen base (pretrained_transformer_path) into the plain module, strictly, as a
+    warm start does (trainer.checkpoint.warm_start); returns the load report."""
     from trainer.checkpoint.warm_start import load_warm_start
 
     report = load_warm_start(args["pretrained_transformer_path"], model,
@@ -209,6 +208,15 @@ def prepare_lora(model: nn.Module, args) -> nn.Module:
                              allow_unexpected=tuple(args["warm_start_allow_unexpected"]),
                              family=family_of(args))
     log.info("LoRA base: %d tensors from %s (frozen)", len(report["loaded"]), report["source"])
+    return report
+
+
+def prepare_lora(model: nn.Module, args) -> nn.Module:
+    """A LoRA run's module: the frozen base loaded from pretrained_transformer_path (strict,
+    as a warm start), the adapters applied, then started from lora_init_path when it is set.
+    Returns `model`. Raises CheckpointError for a base that does not fit, ConfigError (one
+    paragraph) for targets or init adapters that do not."""
+    load_base(model, args)
     init = args.get("lora_init_path")
     try:
         apply_lora(model, args)
@@ -217,4 +225,32 @@ def prepare_lora(model: nn.Module, args) -> nn.Module:
             log.info("LoRA adapters start from %s", init)
     except (ValueError, OSError) as exc:
         raise ConfigError(f"{'lora_init_path: ' if init else ''}{exc}. See docs/lora.md.") from None
+    return model
+
+
+def checkpoint_adapters(checkpoint: str | Path, *, weights: str,
+                        member: str | None = None) -> dict[str, torch.Tensor]:
+    """The adapters a LoRA run's checkpoint saved (its `weights` member, or `member`), under
+    exported keys. Raises CheckpointError when they cannot be read."""
+    from trainer.checkpoint.warm_start import read_weights
+    from trainer.checkpoint.weights_source import resolve_weights_source
+
+    source = resolve_weights_source(checkpoint, weights=weights, member=member)
+    return {adapter_key(key): value for key, value in read_weights(source).items()}
+
+
+def load_lora_checkpoint(model: nn.Module, args, checkpoint: str | Path, *, weights: str,
+                         member: str | None = None) -> nn.Module:
+    """A LoRA checkpoint rebuilt for sampling: its base (refused, CheckpointError, when its
+    bytes changed since the run trained on it: trainer.checkpoint.lora_base), its adapters
+    applied and loaded from the checkpoint. Returns `model`."""
+    from trainer.checkpoint.lora_base import check_base, read_recorded_base
+
+    checkpoint = Path(checkpoint)
+    check_base(args["pretrained_transformer_path"], args["pretrained_weights"],
+               read_recorded_base(checkpoint), checkpoint.name)
+    load_base(model, args)
+    apply_lora(model, args)
+    load_adapter(model, checkpoint_adapters(checkpoint, weights=weights, member=member),
+                 str(checkpoint))
     return model

@@ -1,0 +1,151 @@
+"""`relay export` of a LoRA run: the adapters as peft writes them, or merged into the base.
+
+- `--format peft` (`write_peft`): a directory holding `adapter_model.safetensors` and
+  `adapter_config.json`. The tensors are the adapters under diffusers' key names
+  (`transformer.blocks.0.attn1.to_q.lora_A.weight`), with peft's LoraConfig in the file's
+  `lora_adapter_metadata` as diffusers writes it, so `WanTransformer3DModel.load_lora_adapter`
+  and a Wan pipeline's `load_lora_weights` take the directory (or the file) as it is;
+  `adapter_config.json` is the same LoraConfig with `base_model_name_or_path` naming the base.
+- `--merge-lora` (`merged_state_dict`, for the full-weight formats): the base with each adapted
+  weight W replaced by W + (lora_alpha / r) B A, under the family's own keys: what the other
+  writers write for a full run.
+
+Both read the base by the reference the checkpoint recorded (trainer.checkpoint.lora_base) and
+refuse a base whose bytes changed since the run trained on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from trainer.models.lora_targets import lora_enabled, lora_scale
+
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+METADATA_KEY = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY
+PREFIX = "transformer"  # the pipeline component the adapters belong to
+
+
+def _export_error(message: str) -> Exception:
+    from trainer.evaluation.export import ExportError
+
+    return ExportError(message)
+
+
+def require_lora(source, what: str) -> None:
+    """Raise ExportError when `source` (trainer.evaluation.export.ExportSource) is not a LoRA
+    run's checkpoint, for the request `what`."""
+    if not lora_enabled(source.args):
+        raise _export_error(f"{what} exports a LoRA run's adapters, and {source.checkpoint} is "
+                            f"a run that trained every weight (lora_rank 0). Export it with "
+                            f"--format relay or --format diffusers.")
+
+
+def _adapters(source) -> dict[str, Any]:
+    from trainer.models.lora import checkpoint_adapters
+
+    return checkpoint_adapters(source.checkpoint, weights=source.weights, member=source.member)
+
+
+def adapter_config(args, layers: list[str]):
+    """peft's LoraConfig of the run, targeting exactly the adapted `layers`."""
+    from trainer.models.lora import lora_config
+
+    config = lora_config(args, layers)
+    config.base_model_name_or_path = str(args.get("pretrained_transformer_path"))
+    return config
+
+
+def _config_dict(config) -> dict[str, Any]:
+    """LoraConfig.to_dict() in JSON types (sets as sorted lists), as diffusers stores it."""
+    plain = {}
+    for key, value in config.to_dict().items():
+        if isinstance(value, set):
+            value = sorted(value)
+        plain[key] = value
+    return json.loads(json.dumps(plain, default=str))
+
+
+def write_peft(source, out: Path, *, overwrite: bool) -> list[str]:
+    """The adapters of `source` as a peft/diffusers LoRA directory at `out` (module docstring).
+    Returns the lines to print. Raises ExportError for a run without adapters or an `out` that
+    exists (without `overwrite`) or holds something else."""
+    from safetensors.torch import save_file
+
+    require_lora(source, "--format peft")
+    _check_out(out, overwrite)
+    adapters = _adapters(source)
+    layers = sorted({key.rsplit(".lora_", 1)[0] for key in adapters})
+    config = _config_dict(adapter_config(source.args, layers))
+    tensors = {f"{PREFIX}.{key}": value.contiguous() for key, value in sorted(adapters.items())}
+    metadata = {"format": "pt",
+                METADATA_KEY: json.dumps({f"{PREFIX}.{k}": v for k, v in config.items()},
+                                         indent=2, sort_keys=True)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.relay-export-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        save_file(tensors, str(tmp / ADAPTER_FILE), metadata=metadata)
+        (tmp / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        _publish(tmp, out)
+    except OSError as exc:
+        raise _export_error(f"could not write {out} ({exc.strerror or exc}); nothing partial was "
+                            f"left there. Free space or choose another directory.") from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    rank = int(source.args["lora_rank"])
+    return [f"wrote {out / ADAPTER_FILE} ({len(layers)} adapted layers, rank {rank}, scale "
+            f"{lora_scale(source.args):g}) and {out / ADAPTER_CONFIG_FILE}, from "
+            f"{source.describe()}; diffusers loads it with load_lora_adapter / load_lora_weights"]
+
+
+def merged_state_dict(source) -> dict[str, Any]:
+    """The full weights of a LoRA checkpoint: its base (checked against the recorded digest)
+    with the adapters merged in, under the module's own keys. Raises ExportError when it is
+    not a LoRA run, CheckpointError when the base changed or cannot be read."""
+    import torch
+
+    from trainer.build import build_model
+    from trainer.checkpoint.lora_base import check_base, read_recorded_base
+    from trainer.models.lora import load_base, merge_adapter
+
+    require_lora(source, "--merge-lora")
+    args = source.args
+    check_base(args["pretrained_transformer_path"], args["pretrained_weights"],
+               read_recorded_base(source.checkpoint), source.checkpoint.name)
+    model = build_model(args, torch.device("cpu"), source.model_config)
+    load_base(model, args)
+    base = {key: value.detach() for key, value in model.state_dict().items()}
+    del model
+    return merge_adapter(base, _adapters(source), lora_scale(args))
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise _export_error(f"{out} is a file, and --format peft writes a directory: choose a "
+                            f"directory path (it is created).")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise _export_error(f"{out} already exists: an export does not replace it unless asked. "
+                            f"Choose another directory, or replace it on purpose with relay "
+                            f"export --force.")
+    if not (out / ADAPTER_FILE).is_file():
+        raise _export_error(f"{out} holds files that are not a LoRA export (no {ADAPTER_FILE}); "
+                            f"--force replaces only a previous export. Choose another directory.")
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = out.parent / f".{out.name}.relay-replaced-{uuid.uuid4().hex[:8]}"
+    os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
