@@ -64,6 +64,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
     try:
         lines = export_checkpoint(ns.path, ns.out, format=ns.format, weights=ns.weights,
                                   overwrite=ns.force, components=ns.components,
+                                  merge_lora=ns.merge_lora or None,
                                   max_shard_size=ns.max_shard_size)
     except (CheckpointError, InferenceError, ExportError) as exc:
         print(f"relay export: {exc}", file=sys.stderr)
@@ -492,6 +493,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", dest="max_shard_size", default=None,
                    help=f"diffusers: the largest safetensors file before sharding with an "
                         f"index (default {DEFAULT_MAX_SHARD_SIZE})")
+    p.add_argument("--merge-lora", dest="merge_lora", action="store_true",
+                   help="relay, diffusers: a LoRA run's base with its adapters merged in (a LoRA "
+                        "checkpoint holds the adapters only; --format peft writes those)")
     p.add_argument("--force", action="store_true",
                    help="replace an existing export (relay: the file and its model_config.json; "
                         "diffusers: a previous export directory)")

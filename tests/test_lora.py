@@ -228,6 +228,30 @@ def test_the_merged_weights_are_base_plus_adapter(run, base):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_merged_exports_as_diffusers_and_relay_and_a_lora_needs_the_flag(run, root):
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import load_file
+
+    from trainer.evaluation.export import ExportError, export_checkpoint
+    from trainer.evaluation.export import read_export_source
+    from trainer.evaluation.lora_export import merged_state_dict
+
+    for fmt, out in (("relay", root / "flat" / "model.safetensors"), ("diffusers", root / "merged")):
+        with pytest.raises(ExportError, match="holds the adapters only.*--merge-lora"):
+            export_checkpoint(run, out, format=fmt)
+    export_checkpoint(run, root / "merged", format="diffusers", merge_lora=True)
+    export_checkpoint(run, root / "flat" / "model.safetensors", format="relay", merge_lora=True)
+    merged = merged_state_dict(read_export_source(run, "ema"))
+    flat = load_file(str(root / "flat" / "model.safetensors"))
+    assert flat.keys() == merged.keys() and all(torch.equal(flat[k], merged[k]) for k in merged)
+    theirs = WanTransformer3DModel.from_pretrained(str(root / "merged" / "transformer")).eval()
+    x, t, text = _inputs()
+    with torch.no_grad():
+        want = _inference_model(run / f"checkpoint-{STEPS}", "ema")(x, t, text)
+        got = theirs(x, t, text).sample
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def _adapters_equal(a: Path, b: Path) -> None:
     from trainer.models.lora import checkpoint_adapters
 

@@ -268,10 +268,12 @@ def export_weights(
     member: str | None = None,
     model_config: dict[str, Any] | None = None,
     overwrite: bool = False,
+    state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write the weights `path` names (as for `load_warm_start`) to one safetensors file.
 
-    Also writes `model_config.json` beside `out_file`: `model_config` if given, else the one
+    `state`: write these weights instead of reading them from `path` (a LoRA run's merged
+    base and adapters, trainer.evaluation.lora_export). Also writes `model_config.json` beside `out_file`: `model_config` if given, else the one
     recorded in the checkpoint's COMPLETE marker, else the run's resolved-config.json (every
     argument, the model's among them). Both files are written to a temporary name
     (`<name>.tmp`) and renamed into place; the temporaries are removed whatever happens.
@@ -291,7 +293,8 @@ def export_weights(
             f"no model config recorded for {source.describe()} (no model_config in {COMPLETE_FILE}, "
             f"no {RESOLVED_CONFIG_FILE}): pass model_config explicitly"
         )
-    state = read_weights(source)
+    if state is None:  # else the caller's weights (a LoRA run's merged ones)
+        state = read_weights(source)
     # safetensors refuses tensors that share memory (tied weights): give each its own copy.
     tensors = {key: value.detach().to("cpu").contiguous().clone() for key, value in state.items()}
     metadata = {"source": str(source.path), "member": source.member or "", "weights": weights}

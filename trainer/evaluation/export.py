@@ -93,7 +93,26 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, format
         raise ExportError(f"{flags} {'applies' if len(foreign) == 1 else 'apply'} to "
                           f"--format {' or '.join(owners) or '(none)'}, not to --format {format}.")
     source = read_export_source(path, weights)
+    _check_lora_request(source, format, bool(given.get("merge_lora")))
     return spec.write(source, Path(out), overwrite=overwrite, **given)
+
+
+def _check_lora_request(source: "ExportSource", format: str, merge_lora: bool) -> None:
+    """A LoRA run's checkpoint holds adapters only: a full-weight format needs --merge-lora
+    (trainer.evaluation.lora_export), and --merge-lora needs a LoRA run."""
+    from trainer.models.lora_targets import lora_enabled
+
+    lora = lora_enabled(source.args)
+    if lora and format != "peft" and not merge_lora:
+        raise ExportError(
+            f"{source.checkpoint} is a LoRA run (lora_rank {source.args['lora_rank']}): it holds "
+            f"the adapters only, the frozen base stays at {source.args.get('pretrained_transformer_path')}. "
+            f"Export the adapters with --format peft, or the base with the adapters merged in "
+            f"with --format {format} --merge-lora.")
+    if merge_lora and not lora:
+        raise ExportError(f"--merge-lora merges a LoRA run's adapters into its base, and "
+                          f"{source.checkpoint} is a run that trained every weight (lora_rank "
+                          f"0). Leave --merge-lora out.")
 
 
 def read_export_source(path: str | os.PathLike, weights: str = "auto") -> ExportSource:
@@ -129,14 +148,22 @@ def read_export_source(path: str | os.PathLike, weights: str = "auto") -> Export
 # --format relay
 # ---------------------------------------------------------------------------------------------
 
-def write_relay(source: ExportSource, out: Path, *, overwrite: bool) -> list[str]:
-    """model.safetensors at `out` and model_config.json beside it (warm_start.export_weights)."""
+def write_relay(source: ExportSource, out: Path, *, overwrite: bool,
+                merge_lora: bool = False) -> list[str]:
+    """model.safetensors at `out` and model_config.json beside it (warm_start.export_weights);
+    `merge_lora`: a LoRA run's base with its adapters merged in (trainer.evaluation.lora_export)."""
     from trainer.checkpoint.weights_source import MODEL_CONFIG_FILE
     from trainer.checkpoint.warm_start import export_weights
 
+    state = None
+    if merge_lora:
+        from trainer.evaluation.lora_export import merged_state_dict
+
+        state = merged_state_dict(source)
     written = export_weights(source.checkpoint, out, weights=source.weights, member=source.member,
-                             model_config=source.model_config, overwrite=overwrite)
-    return [f"wrote {written} and {written.with_name(MODEL_CONFIG_FILE)}"]
+                             model_config=source.model_config, overwrite=overwrite, state=state)
+    return [f"wrote {written} and {written.with_name(MODEL_CONFIG_FILE)}"
+            f"{' (LoRA merged into its base)' if merge_lora else ''}"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,7 +199,8 @@ MODEL_INDEX = "model_index.json"
 
 def write_diffusers(source: ExportSource, out: Path, *, overwrite: bool,
                     components: str | None = None,
-                    max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> list[str]:
+                    max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
+                    merge_lora: bool = False) -> list[str]:
     """A diffusers directory at `out`: transformer/ always; model_index.json and the other
     components when a source pipeline directory is known (`components`: a pipeline directory,
     "none" for transformer/ only, None: the one the run started from). Returns the lines to
@@ -204,8 +232,13 @@ def write_diffusers(source: ExportSource, out: Path, *, overwrite: bool,
     from trainer.checkpoint.warm_start import read_weights
     from trainer.checkpoint.weights_source import resolve_weights_source
 
-    state = read_weights(resolve_weights_source(source.checkpoint, weights=source.weights,
-                                                member=source.member))
+    if merge_lora:  # a LoRA run's base with its adapters merged in
+        from trainer.evaluation.lora_export import merged_state_dict
+
+        state = merged_state_dict(source)
+    else:
+        state = read_weights(resolve_weights_source(source.checkpoint, weights=source.weights,
+                                                    member=source.member))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.relay-export-{uuid.uuid4().hex[:8]}"
     try:
@@ -478,10 +511,10 @@ def _write_peft(source: ExportSource, out: Path, *, overwrite: bool) -> list[str
 
 EXPORT_FORMATS: dict[str, ExportFormat] = {
     "relay": ExportFormat(write_relay, out="the model.safetensors file (model_config.json "
-                                           "beside it)"),
+                                           "beside it)", options=("merge_lora",)),
     "diffusers": ExportFormat(write_diffusers, out="the directory (transformer/, and the "
                                                    "pipeline's components when known)",
-                              options=("components", "max_shard_size")),
+                              options=("components", "max_shard_size", "merge_lora")),
     "peft": ExportFormat(_write_peft, out="the directory (adapter_model.safetensors and "
                                           "adapter_config.json of a LoRA run)"),
 }
