@@ -148,6 +148,9 @@ def _train(tmp_path: Path, path: Path, *extra: str, overrides: str = "{}", dry_r
     argv = [sys.executable, "trainer/train.py", "--config", "config/tiny/pretrain.yaml",
             "--model_family", "wan", "--pretrained_transformer_path", str(path),
             "--load_transformer_weights", "true", "--transformer_config_overrides", overrides,
+            # the embedded data's stand-in captions, not the (absent) text_encoder/ a pipeline
+            # directory would give by default (docs/wan.md)
+            "--text_encoder", "standin", "--text_max_tokens", "8",
             "--train_batch_size", "4", "--synthetic_num_samples", "16", "--max_steps", "2",
             "--log_interval", "1", "--validation_interval", "-1", "--data_path", str(data),
             "--output_dir", str(tmp_path / "run"), *extra]
