@@ -67,3 +67,65 @@ def test_compiled_wan_blocks_give_the_eager_gradients():
         grads.append({n: p.grad.float() for n, p in model.named_parameters()})
     worst = max(grads[0], key=lambda n: _rel(grads[1][n], grads[0][n]))
     assert _rel(grads[1][worst], grads[0][worst]) < 5e-2, worst
+
+
+def _causal(**extra):
+    """The same small Wan, causal (chunks of 2 latent frames) and two-time, on the GPU."""
+    family = WanFamily()
+    torch.manual_seed(0)
+    config = family.config({**CONFIG, "causal_chunk_size": 2, "two_time": True, **extra})
+    return family.build(config).to(DEVICE).eval()
+
+
+def test_teacher_forcing_through_flex_matches_the_cached_chunks_and_fp32_sdpa():
+    # bf16: teacher forcing's chunk mask runs as FlexAttention, the cached chunks as full
+    # attention; both against the float32 SDPA reference of the same weights.
+    model, reference = _causal(), _causal(attention_backend="sdpa")
+    x, _, text = _inputs()
+    clean = x.flip(2)
+    t = torch.tensor([[0.0, 700.0, 700.0, 300.0, 300.0], [900.0] * 5], device=DEVICE)
+    r = t * 0.5
+    with torch.no_grad():
+        exact = reference.forward_teacher_forcing(x, clean, t, text, r=r)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            tf = model.forward_teacher_forcing(x, clean, t, text, r=r)
+            cache, chunks = model.new_kv_cache(text), []
+            for start in range(0, 5, 2):
+                sl = slice(start, start + 2)
+                chunks.append(model.forward_chunk(x[:, :, sl], t[:, sl], cache, start,
+                                                  r_chunk=r[:, sl]))
+                model.commit_chunk(clean[:, :, sl], cache, start)
+    assert _rel(tf, exact) < 3e-2, _rel(tf, exact)
+    assert _rel(torch.cat(chunks, dim=2), exact) < 3e-2
+
+
+def test_a_pack_on_the_gpu_matches_each_sample_alone():
+    model = _causal()
+    g = torch.Generator(device=DEVICE).manual_seed(2)
+    xs = [torch.randn(16, *s, device=DEVICE, generator=g) for s in ((5, 32, 32), (1, 16, 48))]
+    texts = [torch.randn(n, 64, device=DEVICE, generator=g) for n in (24, 7)]
+    masks = [torch.ones(n, dtype=torch.bool, device=DEVICE) for n in (24, 7)]
+    ts = [torch.tensor(600.0, device=DEVICE), torch.tensor([0.0], device=DEVICE)]
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        packed = model.forward_packed(xs, ts, texts, masks, causal=False)
+        for x, t, text, got in zip(xs, ts, texts, packed):
+            want = model(x[None], t[None], text[None], causal=False)[0]
+            assert _rel(got, want) < 2e-2, _rel(got, want)
+
+
+def test_compiled_causal_wan_blocks_give_the_eager_teacher_forcing_gradients():
+    eager = _causal()
+    compiled = copy.deepcopy(eager)
+    compiled.compile_blocks()
+    x, _, text = _inputs()
+    t = torch.tensor([[0.0, 700.0, 700.0, 300.0, 300.0], [900.0] * 5], device=DEVICE)
+    grads = []
+    for model in (eager, compiled):
+        model.train().zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model.forward_teacher_forcing(x, x.flip(2), t, text, r=t * 0.5)
+        out.float().square().mean().backward()
+        grads.append({n: p.grad.float() for n, p in model.named_parameters()
+                      if p.grad is not None})
+    worst = max(grads[0], key=lambda n: _rel(grads[1][n], grads[0][n]))
+    assert _rel(grads[1][worst], grads[0][worst]) < 5e-2, worst
