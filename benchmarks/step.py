@@ -9,9 +9,17 @@ In one process, on one GPU, with the same batch, tokens, dtype and optimizer:
 1. the matrix-product ceiling: an 8192^3 bf16 product on random data (median of 20);
 2. the attention kernels at the size's video attention shape, forward + backward: cuDNN SDPA
    and every kernel relay can route to here (FA4, flex);
-3. each run `model:mode:checkpointing` (model relay or wan, mode eager or compiled,
-   checkpointing on, off, or (relay only) selective: attention outputs kept, the rest of each
-   block recomputed): `warmup` steps, then `steps` timed steps (wall clock between
+3. each run `model:mode:checkpointing` (mode eager or compiled, checkpointing on, off, or
+   (relay's models only) selective: attention outputs kept, the rest of each block recomputed),
+   where model is one of
+   - `relay`: relay's own DiT at the size (its adaLN is a Linear(D, 6D) per block);
+   - `relay-wan`: relay's `wan` family, the Wan architecture itself, through relay's kernels;
+   - `wan`: diffusers' `WanTransformer3DModel` as shipped (its attention through
+     `dispatch_attention_fn`, PyTorch SDPA by default);
+   - `wan-fa4`: the same diffusers model with relay's FA4 operator
+     (trainer.models.fa4_ops) in place of its attention dispatch, so the comparison with
+     relay-wan is of everything but the kernel;
+   each run: `warmup` steps, then `steps` timed steps (wall clock between
    device synchronisations; median, min, max), the peak allocated and reserved memory, tokens/s
    and MFU from counted FLOPs (benchmarks/flops.py) over the measured ceiling and over 989
    TFLOP/s (the H100/H200 dense bf16 datasheet figure).
@@ -69,6 +77,7 @@ SIZES = {
     "tiny": dict(hidden=64, heads=2, layers=2, ffn=160, latent=(4, 3, 8, 8), text=8, text_dim=32),
 }
 PATCH = (1, 2, 2)
+MODELS = ("relay", "relay-wan", "wan", "wan-fa4")
 ATTENTION_KERNELS = re.compile(r"flash|fmha|attn|attention|sdpa|cudnn.*(sdpa|mha)", re.IGNORECASE)
 
 
@@ -123,12 +132,15 @@ class FixedBatches:
         return {**self.batch, "sample_keys": [self.position]}
 
 
-def relay_args(size: dict, mode: str, checkpointing: str, attention: str, workdir: str):
+def relay_args(size: dict, mode: str, checkpointing: str, attention: str, workdir: str,
+               family: str = "dit"):
     """train.py's arguments for this run, through train.py's own parser."""
     from trainer.config.args import resolve_config
 
     config = str(Path(__file__).resolve().parents[1] / "config/tiny/pretrain.yaml")
-    argv = ["--transformer_config_overrides", json.dumps(relay_overrides(size, attention)),
+    overrides = (relay_overrides(size, attention) if family == "dit"
+                 else {**wan_config(size), "patch_size": list(PATCH), "attention_backend": attention})
+    argv = ["--model_family", family, "--transformer_config_overrides", json.dumps(overrides),
             "--train_batch_size", "1", "--use_muon", "false", "--learning_rate", "1e-4",
             "--warmup_steps", "10", "--lr_scheduler_type", "constant", "--max_grad_norm", "1.0",
             "--cfg_drop_prob", "0", "--image_cond_prob", "0", "--video_cond_prob", "0",
@@ -141,16 +153,17 @@ def relay_args(size: dict, mode: str, checkpointing: str, attention: str, workdi
     return resolve_config(config, argv, check_paths=False)
 
 
-def build_relay(size: dict, mode: str, checkpointing: str, attention: str, device, workdir: str):
-    """(step function, parameter count, model config) of relay's FlowMatchingStage."""
+def build_relay(size: dict, mode: str, checkpointing: str, attention: str, device, workdir: str,
+                family: str = "dit"):
+    """(step function, parameter count, model config) of relay's FlowMatchingStage on the
+    family's model (relay's DiT, or its wan family)."""
     from trainer.build import build_ema, build_optimization, build_text_encoder, prepare_for_training
-    from trainer.models.dit.module import VideoDiT
-    from trainer.models.registry import model_config
+    from trainer.models.registry import family_of, model_config
     from trainer.stages.fm import FlowMatchingStage
 
-    args = relay_args(size, mode, checkpointing, attention, workdir)
+    args = relay_args(size, mode, checkpointing, attention, workdir, family)
     with torch.device(device):  # initialised on the GPU: 1.5 B parameters are slow on the host
-        model = VideoDiT(**model_config(args))
+        model = family_of(args).build(model_config(args))
     model = prepare_for_training(model, args)
     optimizer, scheduler = build_optimization(args, model, max_steps=args.max_steps)
     ema = build_ema(args, model)
@@ -161,8 +174,30 @@ def build_relay(size: dict, mode: str, checkpointing: str, attention: str, devic
     return (lambda step: stage.train_step(step)["loss"]), params, model.config
 
 
-def build_wan(size: dict, mode: str, checkpointing: str, device):
-    """(step function, parameter count, config) of the same training step on diffusers' Wan."""
+def route_diffusers_wan_attention(fa4: bool) -> None:
+    """Route diffusers' Wan attention through relay's FA4 operator (trainer.models.fa4_ops), or
+    back to diffusers' own dispatch.
+
+    diffusers' Wan attention processor calls `dispatch_attention_fn(q, k, v, attn_mask=...)`
+    with q/k/v [B, N, heads, head_dim], the layout FA4 takes; the benchmark's captions have no
+    padding, so no mask reaches it (a mask is refused rather than ignored)."""
+    import diffusers.models.attention_dispatch as attention_dispatch
+    import diffusers.models.transformers.transformer_wan as transformer_wan
+
+    from trainer.models.fa4_ops import fa4_attention
+
+    def dispatch(query, key, value, attn_mask=None, **_):
+        if attn_mask is not None:
+            raise ValueError("the wan-fa4 benchmark run takes no attention mask")
+        return fa4_attention(query, key, value)
+
+    transformer_wan.dispatch_attention_fn = (dispatch if fa4
+                                             else attention_dispatch.dispatch_attention_fn)
+
+
+def build_wan(size: dict, mode: str, checkpointing: str, device, fa4: bool = False):
+    """(step function, parameter count, config) of the same training step on diffusers' Wan
+    (its attention through relay's FA4 operator with `fa4`)."""
     from diffusers import WanTransformer3DModel
 
     from trainer.optim.optimizers import build_lr_scheduler
@@ -173,6 +208,7 @@ def build_wan(size: dict, mode: str, checkpointing: str, device):
     # torch 2.11 without this (relay's compile_transformer_blocks sets it too).
     if hasattr(inductor_config.triton, "mix_order_reduction"):
         inductor_config.triton.mix_order_reduction = False
+    route_diffusers_wan_attention(fa4)
     with torch.device(device):
         model = WanTransformer3DModel(**wan_config(size))
     model.train()
@@ -336,12 +372,14 @@ def run_one(spec: str, size_name: str, args, device, ceiling_tflops: float | Non
     build_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as workdir:
         try:
-            if model_name == "relay":
+            if model_name in ("relay", "relay-wan"):
+                family = "dit" if model_name == "relay" else "wan"
                 step, params, config = build_relay(size, mode, checkpointing, args.attention, device,
-                                                   workdir)
-                forward = model_forward_flops("dit", config, video_tokens(size), size["text"])
+                                                   workdir, family)
+                forward = model_forward_flops(family, config, video_tokens(size), size["text"])
             else:
-                step, params, config = build_wan(size, mode, checkpointing, device)
+                step, params, config = build_wan(size, mode, checkpointing, device,
+                                                 fa4=model_name == "wan-fa4")
                 forward = model_forward_flops("wan", config, video_tokens(size), size["text"])
             result.update(parameters=params, train_flops=train_flops(forward),
                           build_s=time.perf_counter() - build_start)
@@ -409,8 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", default="wan-1.3b", choices=sorted(SIZES))
     parser.add_argument("--runs", default="relay:compiled:off,wan:compiled:off",
-                        help="comma-separated model:mode:checkpointing (relay|wan, eager|compiled, "
-                             "on|off|selective)")
+                        help="comma-separated model:mode:checkpointing (relay|relay-wan|wan|wan-fa4, "
+                             "eager|compiled, on|off|selective)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--attention", default="auto", help="relay's attention_backend")
@@ -441,11 +479,12 @@ def main(argv: list[str] | None = None) -> int:
     runs = [r for r in args.runs.split(",") if r]
     for spec in runs + args.profile:
         parts = spec.split(":")
-        if (len(parts) != 3 or parts[0] not in ("relay", "wan") or parts[1] not in ("eager", "compiled")
+        if (len(parts) != 3 or parts[0] not in MODELS or parts[1] not in ("eager", "compiled")
                 or parts[2] not in ("on", "off", "selective")
-                or parts[2] == "selective" and parts[0] == "wan"):
+                or parts[2] == "selective" and not parts[0].startswith("relay")):
             parser.error(f"run {spec!r} is not model:mode:checkpointing "
-                         "(relay|wan : eager|compiled : on|off, or selective for relay)")
+                         f"({'|'.join(MODELS)} : eager|compiled : on|off, or selective for "
+                         "relay's models)")
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -158,6 +158,17 @@ output:
     assert args.wandb_run_name is None
 
 
+def test_json_on_the_command_line_keeps_exponent_floats(tmp_path):
+    # json.dumps writes 1e-6 as `1e-06`, which YAML 1.1 reads as a string: a config written by
+    # a script must reach the model as the number it is.
+    cfg = base_yaml(tmp_path, "model:\n  model_family: wan\n")
+    overrides = {"eps": 1e-06, "num_layers": 2, "in_channels": 3, "out_channels": 3,
+                 "text_dim": 32, "patch_size": [1, 4, 4], "num_attention_heads": 2,
+                 "attention_head_dim": 8, "ffn_dim": 32, "freq_dim": 32}
+    args = resolve(["--config", cfg, "--transformer_config_overrides", json.dumps(overrides)])
+    assert args.transformer_config_overrides == overrides
+
+
 def test_omegaconf_interpolation_and_env(tmp_path, monkeypatch):
     monkeypatch.setenv("RELAY_TEST_OUT", str(tmp_path / "from-env"))
     write_fastvideo_dataset(tmp_path / "data", 6, channels=3, text_dim=32)

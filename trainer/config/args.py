@@ -103,6 +103,9 @@ def convert_value(arg: Arg, value: Any, where: str) -> Any:
     return out
 
 
+_MISSING = object()
+
+
 def _parse_cli_text(arg: Arg, text: str) -> Any:
     """Turn a command-line string into a value of the key's kind (YAML syntax for the rest)."""
     low = text.strip().lower()
@@ -119,7 +122,12 @@ def _parse_cli_text(arg: Arg, text: str) -> Any:
     if arg.kind == "path_or_dict" and not text.lstrip().startswith("{"):
         return text
     try:
-        value = yaml.safe_load(text)
+        # JSON first: PyYAML reads JSON's `1e-06` as a string (YAML 1.1 wants a dot in a float)
+        value = json.loads(text)
+    except ValueError:
+        value = _MISSING
+    try:
+        value = yaml.safe_load(text) if value is _MISSING else value
     except yaml.YAMLError:
         raise ConfigError(
             f"command line: `--{arg.name}` must be {_expected(arg)}, got {text!r} "
