@@ -322,3 +322,23 @@ def test_tiny_wan_trains_through_stage1_and_stage2(tmp_path):
                     "--teacher_init_weights", "live", "--critic_init_path", str(tmp_path / "fm"),
                     "--critic_init_weights", "live", "--generator_update_interval", "1")
     assert "generator_loss" in stage2[-1] and stage2[-1]["critic_loss"] == stage2[-1]["critic_loss"]
+
+
+def test_relay_keys_may_be_set_over_a_diffusers_directory(tmp_path):
+    """Stage1 from public weights: the architecture comes from transformer/config.json, the
+    causal and two-time keys (relay's own, no diffusers key) from the overrides."""
+    from trainer.models.family import ConfigDirError
+
+    transformer = tmp_path / "transformer"
+    transformer.mkdir()
+    (transformer / "config.json").write_text(json.dumps(
+        {"_class_name": "WanTransformer3DModel", **TINY}))
+    family = WanFamily()
+    settings = {"pretrained_transformer_path": str(tmp_path), "load_transformer_weights": True}
+    config = family.config({"causal_chunk_size": 2, "two_time": True, "time_gate": 0.5},
+                           settings)
+    assert {k: config[k] for k in TINY} == TINY
+    geometry = family.geometry(config)
+    assert (geometry.causal_chunk_frames, geometry.two_time, geometry.time_gate) == (2, True, 0.5)
+    with pytest.raises(ConfigDirError, match="num_layers"):
+        family.config({"num_layers": 3, "two_time": True}, settings)
