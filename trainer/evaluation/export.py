@@ -94,7 +94,12 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, format
                           f"--format {' or '.join(owners) or '(none)'}, not to --format {format}.")
     source = read_export_source(path, weights)
     _check_lora_request(source, format, bool(given.get("merge_lora")))
-    return spec.write(source, Path(out), overwrite=overwrite, **given)
+    from trainer.evaluation.lora_export import LoraExportError
+
+    try:
+        return spec.write(source, Path(out), overwrite=overwrite, **given)
+    except LoraExportError as exc:
+        raise ExportError(str(exc)) from None
 
 
 def _check_lora_request(source: "ExportSource", format: str, merge_lora: bool) -> None:

@@ -31,14 +31,17 @@ METADATA_KEY = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY
 PREFIX = "transformer"  # the pipeline component the adapters belong to
 
 
-def _export_error(message: str) -> Exception:
-    from trainer.evaluation.export import ExportError
+class LoraExportError(ValueError):
+    """A LoRA export that cannot be written as asked (trainer.evaluation.export turns it into
+    its ExportError); the message says what to do instead."""
 
-    return ExportError(message)
+
+def _export_error(message: str) -> Exception:
+    return LoraExportError(message)
 
 
 def require_lora(source, what: str) -> None:
-    """Raise ExportError when `source` (trainer.evaluation.export.ExportSource) is not a LoRA
+    """Raise LoraExportError when `source` (trainer.evaluation.export.ExportSource) is not a LoRA
     run's checkpoint, for the request `what`."""
     if not lora_enabled(source.args):
         raise _export_error(f"{what} exports a LoRA run's adapters, and {source.checkpoint} is "
@@ -73,7 +76,7 @@ def _config_dict(config) -> dict[str, Any]:
 
 def write_peft(source, out: Path, *, overwrite: bool) -> list[str]:
     """The adapters of `source` as a peft/diffusers LoRA directory at `out` (module docstring).
-    Returns the lines to print. Raises ExportError for a run without adapters or an `out` that
+    Returns the lines to print. Raises LoraExportError for a run without adapters or an `out` that
     exists (without `overwrite`) or holds something else."""
     from safetensors.torch import save_file
 
@@ -107,7 +110,7 @@ def write_peft(source, out: Path, *, overwrite: bool) -> list[str]:
 
 def merged_state_dict(source) -> dict[str, Any]:
     """The full weights of a LoRA checkpoint: its base (checked against the recorded digest)
-    with the adapters merged in, under the module's own keys. Raises ExportError when it is
+    with the adapters merged in, under the module's own keys. Raises LoraExportError when it is
     not a LoRA run, CheckpointError when the base changed or cannot be read."""
     import torch
 
