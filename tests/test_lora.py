@@ -295,6 +295,12 @@ def test_a_base_that_changed_is_refused(run, root, base):
     assert proc.returncode == 2, text[-3000:]
     assert "the LoRA base changed since checkpoint-2 was trained on it" in text
     assert "the same files and sizes with other contents" in text and "Traceback" not in text
+    # Another rank than the checkpoint's is named as such, before anything is loaded.
+    other = root / "other-rank"
+    _resume_copy(run, other, 2)
+    proc = _train(_argv(root, base, other, "--lora_rank", "8"))
+    assert proc.returncode == 1 and "was saved with lora_rank: 4, this run has lora_rank: 8" in \
+        proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
     # A copy of the unchanged base elsewhere is the same base: it resumes.
     copy = root / "base-copy"
     shutil.copytree(base, copy)
@@ -303,7 +309,7 @@ def test_a_base_that_changed_is_refused(run, root, base):
     check_base(copy, "live", read_recorded_base(run / "checkpoint-2"), "checkpoint-2")
 
 
-def test_the_dit_family_trains_a_lora(root):
+def test_the_dit_family_trains_a_lora_under_selective_checkpointing(root):
     from safetensors.torch import save_file
 
     from trainer.models.registry import get_family
@@ -325,6 +331,8 @@ def test_the_dit_family_trains_a_lora(root):
                    "--pretrained_transformer_path", str(base), "--lora_rank", "2",
                    "--train_batch_size", "4", "--synthetic_num_samples", "32", "--max_steps", "2",
                    "--warmup_steps", "0", "--log_interval", "1", "--validation_interval", "-1",
+                   "--enable_gradient_checkpointing", "true",
+                   "--use_dedicated_gradient_checkpointing", "true",
                    "--data_path", str(root / "data"), "--output_dir", str(out)])
     _ok(proc)
     keys = set(read_dcp_tensor_shapes(out / "checkpoint-2" / "transformer"))

@@ -33,7 +33,7 @@ log = logging.getLogger("relay")
 
 # Arguments that decide what the saved optimizer state is: a change cannot be loaded, and the
 # error should name the key rather than a tensor that does not fit.
-STATE_SHAPING_KEYS = ("stage", "use_muon", "use_ema")
+STATE_SHAPING_KEYS = ("stage", "use_muon", "use_ema", "lora_rank", "lora_target_modules")
 
 
 @dataclass
