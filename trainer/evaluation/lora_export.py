@@ -105,7 +105,7 @@ def write_peft(source, out: Path, *, overwrite: bool) -> list[str]:
     rank = int(source.args["lora_rank"])
     return [f"wrote {out / ADAPTER_FILE} ({len(layers)} adapted layers, rank {rank}, scale "
             f"{lora_scale(source.args):g}) and {out / ADAPTER_CONFIG_FILE}, from "
-            f"{source.describe()}; diffusers loads it with load_lora_adapter / load_lora_weights"]
+            f"{source.describe()}"]
 
 
 def merged_state_dict(source) -> dict[str, Any]:
