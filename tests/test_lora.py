@@ -27,9 +27,6 @@ TINY = {"patch_size": [1, 4, 4], "num_attention_heads": 2, "attention_head_dim":
         "in_channels": 3, "out_channels": 3, "text_dim": 32, "freq_dim": 32, "ffn_dim": 32,
         "num_layers": 2, "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads",
         "eps": 1e-6, "rope_max_seq_len": 64}
-# The wan family's default targets (trainer.models.wan.linears.WAN_LORA_TARGETS), named here
-# so the runs do not depend on the family declaring them.
-WAN_TARGETS = "[attn1.to_q, attn1.to_k, attn1.to_v, attn1.to_out.0, attn2.to_q, attn2.to_k, attn2.to_v, attn2.to_out.0]"
 RANK, ALPHA = 4, 8.0
 STEPS = 4
 
@@ -52,7 +49,7 @@ def _argv(root: Path, base: Path, out: Path, *extra: str) -> list[str]:
     return ["--config", "config/tiny/pretrain.yaml", "--model_family", "wan",
             "--pretrained_transformer_path", str(base), "--load_transformer_weights", "true",
             "--transformer_config_overrides", "{}", "--lora_rank", str(RANK),
-            "--lora_alpha", str(ALPHA), "--lora_target_modules", WAN_TARGETS,
+            "--lora_alpha", str(ALPHA),  # the wan family's default targets
             "--use_muon", "true", "--use_ema", "true", "--ema_decay", "0.5",
             "--warmup_steps", "0", "--train_batch_size", "4", "--synthetic_num_samples", "32",
             "--max_steps", str(STEPS), "--save_interval", "2", "--save_total_limit", "0",
@@ -381,6 +378,20 @@ def test_what_relay_refuses_it_refuses_before_the_run(tmp_path, base):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "Stage1 turns a bidirectional single-time model" in proc.stderr or \
         "stage tf_anyflow needs what model family" in proc.stderr
+
+
+@pytest.mark.parametrize("two_time", [False, True])
+def test_the_wan_familys_linear_layers_are_its_modules(two_time):
+    from trainer.models.registry import get_family
+
+    family = get_family("wan")
+    config = family.config({**TINY, "two_time": two_time})
+    built = {n: (m.in_features, m.out_features) for n, m in family.build(config).named_modules()
+             if isinstance(m, torch.nn.Linear)}
+    assert family.linear_shapes(config) == built
+    assert family.lora_target_modules == ("attn1.to_q", "attn1.to_k", "attn1.to_v",
+                                          "attn1.to_out.0", "attn2.to_q", "attn2.to_k",
+                                          "attn2.to_v", "attn2.to_out.0")
 
 
 def test_the_memory_estimate_counts_a_frozen_base_and_the_adapters():

@@ -24,6 +24,7 @@ from trainer.models.family import (ConfigDirError, Geometry, ModelFamily, ParamC
                                    StateDictAdapter)
 from trainer.models.wan.config import (DIFFUSERS_CLASS, QK_NORM, RELAY_KEYS, SECOND_TIME_PREFIX,
                                       WAN_DEFAULTS, rope_axes, wan_geometry)
+from trainer.models.wan.linears import WAN_LORA_TARGETS, wan_linear_shapes
 
 
 class WanFamily(ModelFamily):
@@ -35,6 +36,7 @@ class WanFamily(ModelFamily):
     capabilities = frozenset({"per_frame_times", "packed", "teacher_forcing", "kv_cache",
                               "two_time", "context_parallel"})
     second_time_keys = (SECOND_TIME_PREFIX + "*",)
+    lora_target_modules = WAN_LORA_TARGETS
 
     def defaults(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, list) else v) for k, v in WAN_DEFAULTS.items()}
@@ -187,6 +189,9 @@ class WanFamily(ModelFamily):
 
     def geometry(self, config: dict[str, Any]) -> Geometry:
         return wan_geometry(config)
+
+    def linear_shapes(self, config: dict[str, Any]) -> dict[str, tuple[int, int]]:
+        return wan_linear_shapes(config)
 
     def param_counts(self, config: dict[str, Any]) -> ParamCounts:
         d = config["num_attention_heads"] * config["attention_head_dim"]

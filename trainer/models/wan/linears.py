@@ -25,6 +25,9 @@ def wan_linear_shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
               "condition_embedder.time_proj": (d, 6 * d),
               "condition_embedder.text_embedder.linear_1": (config["text_dim"], d),
               "condition_embedder.text_embedder.linear_2": (d, d)}
+    if config.get("two_time"):  # the second time input, an MLP like the first
+        shapes["condition_embedder.time_embedder_r.linear_1"] = (config["freq_dim"], d)
+        shapes["condition_embedder.time_embedder_r.linear_2"] = (d, d)
     for i in range(config["num_layers"]):
         for attn in ("attn1", "attn2"):
             for proj in ("to_q", "to_k", "to_v", "to_out.0"):
