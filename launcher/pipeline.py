@@ -1,9 +1,11 @@
 """Pipeline YAML -> validated stages: what each Slurm job will run, checked before any is submitted.
 
-A pipeline YAML (OmegaConf, so `${...}` interpolation works) has four top-level keys:
+A pipeline YAML (OmegaConf, so `${...}` interpolation works) has these top-level keys:
 
     name: tiny                    # optional; job names are <name>-<stage> (default: file stem)
     root: runs/tiny               # optional; default pipeline dir (default runs/<name>); --root wins
+    source: /models/Wan2.1-T2V-1.3B-Diffusers   # optional: the model the stages start from
+    data: /data/wan-480p-latents  # optional: the dataset the stages read
     cluster: {nodes: 1, ...}      # Slurm defaults for every stage (CLUSTER_DEFAULTS)
                                   # warmup: true -> a kernel-cache warm-up job runs first
     stages:                       # ordered: each stage runs after the previous one (afterok)
@@ -18,7 +20,11 @@ A pipeline YAML (OmegaConf, so `${...}` interpolation works) has four top-level 
           pretrained_transformer_path: ${stages.pretrain.output_dir}
 
 Weights flow through interpolation: a stage names an earlier stage's output_dir, and the trainer
-reads that run's newest complete checkpoint when the job starts. Relative paths (root, config,
+reads that run's newest complete checkpoint when the job starts. `source` and `data` are paths
+(strings) that relay reads only through the stages' `${source}` / `${data}`: one line each to
+edit when a pipeline's stages all start from one model directory and read one dataset
+(config/pipeline/wan-distill-*.yaml). A diffusers pipeline directory an earlier stage writes
+first (make_tiny_wan) is checked, as that stage's own folders are, when the stage starts. Relative paths (root, config,
 output_dir and every path the stage YAMLs hold) are relative to the directory relay runs in,
 exactly as for train.py; the jobs run there too. A relative `config/...` YAML (the pipeline's or a
 stage's) that is not there is read from the copy installed with relay (launcher.resources), so
@@ -45,7 +51,8 @@ from launcher.resources import resource_root, shipped_file
 
 from trainer.config.schema import closest_key
 
-PIPELINE_KEYS = ("name", "root", "cluster", "stages")
+PIPELINE_KEYS = ("name", "root", "source", "data", "cluster", "stages")
+PATH_KEYS = ("source", "data")  # top-level paths the stages read through ${source} / ${data}
 STAGE_KEYS = ("config", "overrides", "output_dir", "resources", "job_name")
 NETWORKS = ("efa", "ib", "tcp", "none")
 
@@ -470,6 +477,12 @@ def load_pipeline_yaml(path: str | os.PathLike, *, root: str | None = None) -> d
     if not isinstance(name, str) or not _STAGE_NAME.match(name):
         problems.append(f"{path}: `name` {name!r} must be letters, digits, '-' or '_' "
                         f"(it becomes part of every job name).")
+    for key in PATH_KEYS:
+        value = OmegaConf.to_container(cfg, resolve=False).get(key)
+        if key in cfg and (value is None or isinstance(value, (dict, list, bool))
+                           or str(value).strip() == ""):
+            problems.append(f"{path}: `{key}` must be a path (a string), got {value!r}; the "
+                            f"stages read it as ${{{key}}}. Set it, or remove the line.")
     if root is not None:
         cfg.root = str(root)
     elif cfg.get("root") is None:
@@ -577,6 +590,10 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
     problems.extend(cluster_problems)
     specs: list[StageSpec] = []
     previous: str | None = None
+    # Pipeline directories a launched stage writes before it reads them (make_tiny_wan): later
+    # stages' vae_path / text_encoder / weights inside one are checked when they start.
+    written: list[str] = []
+    written_before: dict[str, tuple[str, ...]] = {}
     for name in selected:
         stage = data["stages"][name]
         where = f"stage {name}"
@@ -611,7 +628,8 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the job prints them; the plan need not
                 args = resolve_config(config_path, overrides, world_size=resources.world_size,
-                                      cwd=base, check_paths=check_paths)
+                                      cwd=base, check_paths=check_paths,
+                                      written_before=tuple(written))
                 plan = describe_plan(args, resources.world_size, resources.tasks_per_node)
         except ConfigError as exc:
             problems.append(f"{where}: {exc}")
@@ -619,6 +637,11 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
         overrides = _absolute_path_overrides(overrides, args)
         argv = render_train_argv(config_path, overrides)
         problems.extend(_check_argv_round_trip(where, config_path, argv, args, base))
+        written_before[name] = tuple(written)
+        from trainer.encoders.directories import tiny_wan_pending
+
+        if tiny_wan_pending(args):
+            written.append(str(args.pretrained_transformer_path))
         specs.append(StageSpec(
             name=name, config=config_path, overrides=overrides, output_dir=output_dirs[name],
             job_name=job_name, resources=resources, train_argv=tuple(argv), args=args,
@@ -632,7 +655,8 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
         invalid = [n for n in selected if n not in {s.name for s in specs}]
         for spec in specs:
             problems.extend(check_weight_sources(spec, specs, output_dirs, notes,
-                                                 invalid=invalid))
+                                                 invalid=invalid,
+                                                 written_before=written_before.get(spec.name, ())))
     root_dir = _absolute(data["root"], base)
     warmup = None
     if not problems and cluster_resources is not None:
@@ -735,12 +759,15 @@ def has_complete_checkpoint(output_dir: str | os.PathLike) -> bool:
 
 
 def check_weight_sources(spec: StageSpec, launched: list[StageSpec], output_dirs: dict[str, str],
-                         notes: list[str], *, invalid: list[str] = ()) -> list[str]:
+                         notes: list[str], *, invalid: list[str] = (),
+                         written_before: tuple[str, ...] = ()) -> list[str]:
     """Problems with the weights `spec` starts from (empty when fine).
 
     A path inside the output_dir of a stage launched before it in this submission is fine (that
     stage produces it). Any other path must hold usable weights now. `invalid`: stages of this
     submission that failed validation (a path of theirs is reported as such, not as missing).
+    `written_before`: pipeline directories an earlier stage writes (make_tiny_wan): a path in
+    one is fine.
     Appends a note when the stage's own output_dir already has checkpoints (it will resume,
     not warm start).
     """
@@ -760,6 +787,8 @@ def check_weight_sources(spec: StageSpec, launched: list[StageSpec], output_dirs
         value = spec.args[key]
         if key == "pretrained_transformer_path" and tiny_wan_pending(spec.args):
             continue  # make_tiny_wan: the stage writes it before reading it
+        if any(_is_within(value, d) for d in written_before):
+            continue  # an earlier stage writes it (make_tiny_wan)
         producer = next((n for n, d in output_dirs.items() if _is_within(value, d)), None)
         if producer in invalid:
             problems.append(f"stage {spec.name}: `{key}` ({value}) is stage {producer}'s "

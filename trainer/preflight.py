@@ -41,7 +41,8 @@ def _check(condition: bool, message: str) -> None:
 
 
 def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
-                  check_paths: bool = True, check_weights: bool = False) -> None:
+                  check_paths: bool = True, check_weights: bool = False,
+                  written_before: tuple[str, ...] = ()) -> None:
     """Reject contradictions before any model or process group exists. Raises ConfigError.
 
     world_size: the number of ranks the run will have (train.py passes WORLD_SIZE; the launcher
@@ -49,6 +50,9 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
     check_paths: the data, the output_dir and example placeholders are checked on this machine.
     check_weights: the weights a warm start would read exist (train.py and a stage run alone;
     a pipeline checks its own chain, where an earlier stage may still have to write them).
+    written_before: diffusers pipeline directories an earlier stage of the same pipeline writes
+    (make_tiny_wan) before this one starts: a vae_path or text_encoder inside one is checked
+    when the stage starts, as the writing stage's own are.
     """
     _check(args.output_dir is not None,
            "`output_dir` is not set. Set it in the YAML's output section or with --output_dir.")
@@ -102,7 +106,7 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
     _validate_validation_decoder(args)
     if check_paths:
         _validate_placeholders(args)
-        _validate_paths(args)
+        _validate_paths(args, written_before)
         _validate_output_dir(args)
     if check_weights:
         _validate_weight_sources(args)
@@ -260,10 +264,11 @@ def _validate_caption_source(args: ResolvedArgs) -> None:
            f"are read), or store embeddings with `relay data encode`.")
 
 
-def _validate_pipeline_components(args: ResolvedArgs) -> bool:
+def _validate_pipeline_components(args: ResolvedArgs, written_before: tuple[str, ...] = ()) -> bool:
     """The folders a diffusers pipeline directory (pretrained_transformer_path) gives the run
     by default are there (trainer.encoders.directories). Returns False while make_tiny_wan has
-    yet to write the directory: its folders are checked when the run starts."""
+    yet to write the directory, this run's or (`written_before`) an earlier stage's that holds
+    its vae_path or text_encoder: those folders are checked when the run starts."""
     if args.make_tiny_wan:
         _check(args.model_family == "wan" and args.load_transformer_weights
                and args.pretrained_transformer_path is not None,
@@ -275,6 +280,11 @@ def _validate_pipeline_components(args: ResolvedArgs) -> bool:
                f"{args.pretrained_transformer_path}).")
     if tiny_wan_pending(args):
         return False
+    for key in ("vae_path", "text_encoder"):
+        value = args[key]
+        if value is not None and value != "standin" and not Path(value).exists() and any(
+                Path(value) == Path(d) or Path(d) in Path(value).parents for d in written_before):
+            return False
     root = pipeline_root(args.pretrained_transformer_path) if args.load_transformer_weights else None
     if root is not None:
         for key in ("text_encoder", "vae_path"):
@@ -284,8 +294,8 @@ def _validate_pipeline_components(args: ResolvedArgs) -> bool:
     return True
 
 
-def _validate_paths(args: ResolvedArgs) -> None:
-    if _validate_pipeline_components(args):
+def _validate_paths(args: ResolvedArgs, written_before: tuple[str, ...] = ()) -> None:
+    if _validate_pipeline_components(args, written_before):
         _validate_text_encoder(args)
         _validate_vae(args)
     if args.synthetic_data and args.vae_path is not None:

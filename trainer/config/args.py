@@ -373,13 +373,15 @@ def merge_args(yaml_values: dict[str, Any], cli_values: dict[str, Any]) -> Resol
 
 def resolve_config(config: str | None, overrides: list[str] | dict[str, Any] = (), *,
                    world_size: int | None = None, cwd: str | os.PathLike | None = None,
-                   check_paths: bool = True, check_weights: bool = False) -> ResolvedArgs:
+                   check_paths: bool = True, check_weights: bool = False,
+                   written_before: tuple[str, ...] = ()) -> ResolvedArgs:
     """Resolve a YAML plus overrides exactly as train.py does. Raises ConfigError.
 
     `overrides` is either the command-line tokens (["--learning_rate", "3e-4"]) or a mapping of
     already-typed values (the launcher's pipeline YAML). Relative paths are made absolute against
     `cwd` (default: the current directory). check_weights also checks that the weights a warm
     start would read exist (for a run started on its own; a pipeline checks its own chain).
+    written_before: pipeline directories an earlier stage writes first (preflight.validate_args).
     """
     if isinstance(overrides, dict):
         cli = {}
@@ -397,7 +399,7 @@ def resolve_config(config: str | None, overrides: list[str] | dict[str, Any] = (
     # A diffusers pipeline directory's components fill what the YAML and command line left unset.
     args.update(pipeline_defaults(args, set(yaml_values) | set(cli)))
     validate_args(args, world_size=world_size, check_paths=check_paths,
-                  check_weights=check_weights)
+                  check_weights=check_weights, written_before=tuple(written_before))
     return args
 
 

@@ -13,7 +13,11 @@ which weights, the model config it was trained with):
   started from (its `pretrained_transformer_path`, followed back through warm starts from other
   relay runs) or from `components`; each file of 1 MiB or more is hardlinked (a copy where the
   filesystem refuses a link), smaller ones are copied, so the export stands alone and costs no
-  space on the same filesystem.
+  space on the same filesystem. A causal model (a Stage2 student: `causal_chunk_size` set, single
+  time) is written with diffusers' keys, which are its own, and relay-sampling.json beside
+  transformer/ (SAMPLING_FILE: the chunking, steps, timesteps and shift relay samples it with);
+  diffusers' WanPipeline runs those weights bidirectionally. A two-time model (Stage1) is refused:
+  its second time input has no place in diffusers' class (docs/wan.md, "Distilling Wan").
 
 Both write under a temporary name and rename into place; an existing output is replaced only
 with `overwrite`. Torch and diffusers are imported inside the writers only: the login side
@@ -70,6 +74,9 @@ class DiffusersExport:
     class_name: str
     ignored_keys: frozenset[str]
     check_components: Callable[[dict[str, Any], Path], list[str]]
+    # relay's keys that change only how relay samples the weights (the causal chunking), not
+    # the weights: left out of config.json and written to SAMPLING_FILE
+    sampling_keys: frozenset[str] = frozenset()
 
 
 def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, format: str = "relay",
@@ -194,12 +201,14 @@ DIFFUSERS_EXPORTS: dict[str, DiffusersExport] = {
     # attention_backend picks a kernel, not the math; time_gate and attn_window_chunks act only
     # with two_time and causal_chunk_size, which must keep their defaults
     "wan": DiffusersExport(class_name="WanTransformer3DModel",
-                           ignored_keys=frozenset({"attention_backend", "time_gate",
-                                                   "attn_window_chunks"}),
-                           check_components=_wan_component_checks),
+                           ignored_keys=frozenset({"attention_backend", "time_gate"}),
+                           check_components=_wan_component_checks,
+                           sampling_keys=frozenset({"causal_chunk_size", "attn_window_chunks"})),
 }
 TRANSFORMER_DIR = "transformer"
 MODEL_INDEX = "model_index.json"
+SAMPLING_FILE = "relay-sampling.json"  # a causal model's few-step settings, beside transformer/
+SAMPLING_FORMAT = "relay.sampling"
 
 
 def write_diffusers(source: ExportSource, out: Path, *, overwrite: bool,
@@ -222,7 +231,9 @@ def write_diffusers(source: ExportSource, out: Path, *, overwrite: bool,
             f"the families diffusers loads: {known}. Export this run with --format relay "
             f"(model.safetensors and model_config.json, which relay's warm starts, relay sample "
             f"and relay eval read).")
+    _refuse_two_time(source)
     config = _diffusers_config(spec, source.model_config, family)
+    sampling = _sampling_settings(spec, source)
     pipeline, note = _find_pipeline(components, source.args)
     if pipeline is not None:
         names = _pipeline_components(pipeline, spec)
@@ -252,6 +263,13 @@ def write_diffusers(source: ExportSource, out: Path, *, overwrite: bool,
         lines = [f"wrote {out / TRANSFORMER_DIR}: {spec.class_name} config.json and "
                  f"{_count(len(files), 'safetensors file')}"
                  f"{' with an index' if len(files) > 1 else ''}, from {source.describe()}"]
+        if sampling is not None:
+            (tmp / SAMPLING_FILE).write_text(json.dumps(sampling, indent=2) + "\n")
+            lines.append(f"wrote {out / SAMPLING_FILE}: a causal model (chunks of "
+                         f"{sampling['causal_chunk_size']} latent frames) distilled for "
+                         f"{sampling['steps']} steps at shift {sampling['shift']:g}; diffusers' "
+                         f"WanPipeline runs these weights bidirectionally, relay samples them "
+                         f"causally with a KV cache (relay sample)")
         if pipeline is not None:
             linked, copied = _place_components(pipeline, names, tmp)
             _write_model_index(pipeline, spec, tmp)
@@ -265,6 +283,56 @@ def write_diffusers(source: ExportSource, out: Path, *, overwrite: bool,
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return lines
+
+
+def _refuse_two_time(source: ExportSource) -> None:
+    """A two-time model (Stage1's u(x, t, r)) has no diffusers form: its second time input
+    (condition_embedder.time_embedder_r) feeds every block's time embedding (time_gate), so
+    dropping it runs another model. Raises ExportError saying what to export instead."""
+    config = source.model_config
+    if not config.get("two_time"):
+        return
+    raise ExportError(
+        f"{source.checkpoint} is a two-time model (two_time: true, time_gate "
+        f"{config.get('time_gate')}: a Stage1 flow map), and diffusers' WanTransformer3DModel "
+        f"has no second time input: dropping condition_embedder.time_embedder_r would change "
+        f"what every block computes. Export the Stage2 student distilled from it (its second "
+        f"time input is dropped there) with --format diffusers, or this run with --format "
+        f"relay (relay sample and relay eval read it).")
+
+
+def _sampling_settings(spec: DiffusersExport, source: ExportSource) -> dict[str, Any] | None:
+    """SAMPLING_FILE's content for a model whose config sets one of `spec.sampling_keys` (a
+    causal student), or None: the chunking, the steps and timesteps it was distilled for (its
+    sampler's defaults), the shift, the guidance."""
+    config = source.model_config
+    if all(config.get(key) is None for key in spec.sampling_keys):
+        return None
+    from trainer.diffusion.sampling import sampler_settings, sampling_shift
+    from trainer.stages.rollout import inference_sigmas
+
+    args = source.args
+    steps, guidance = sampler_settings(args)
+    shift = float(sampling_shift(args))
+    sigmas = inference_sigmas(steps, shift)
+    return {
+        "format": SAMPLING_FORMAT, "version": 1,
+        "model_family": args.get("model_family"), "stage": args.get("stage", "fm"),
+        "checkpoint": str(source.checkpoint), "weights": source.weights,
+        **{key: config.get(key) for key in sorted(spec.sampling_keys)},
+        "sampler": "causal KV-cache rollout: chunk after chunk, each denoised at every step "
+                   "then committed to the cache at t = 0",
+        "steps": steps,
+        "denoising_steps": list(args.get("dmd_denoising_steps") or []),
+        "warp_denoising_step": args.get("warp_denoising_step"),
+        "shift": shift,
+        "sigmas": sigmas,
+        "timesteps": [s * 1000.0 for s in sigmas],
+        "guidance": guidance,
+        "note": "diffusers' WanPipeline runs these weights bidirectionally (every frame at "
+                "once, its own scheduler and steps); relay samples them causally with these "
+                "settings (relay sample --checkpoint <run> --steps N).",
+    }
 
 
 def _diffusers_config(spec: DiffusersExport, config: dict[str, Any], family: str
@@ -282,7 +350,8 @@ def _diffusers_config(spec: DiffusersExport, config: dict[str, Any], family: str
     defaults = get_family(family).defaults()
     kept = {k: v for k, v in config.items() if k in accepted}
     changed = sorted(k for k, v in config.items() if k not in accepted
-                     and k not in spec.ignored_keys and (k not in defaults or v != defaults[k]))
+                     and k not in spec.ignored_keys | spec.sampling_keys
+                     and (k not in defaults or v != defaults[k]))
     if changed:
         settings = ", ".join(f"{k}: {json.dumps(config[k])}" for k in changed)
         raise ExportError(
