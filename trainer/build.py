@@ -41,18 +41,55 @@ def build_score_models(args: ResolvedArgs, device: torch.device):
     return prepare_for_training(teacher, args), prepare_for_training(critic, args)
 
 
-def build_trained_model(args: ResolvedArgs, topo: Topology) -> torch.nn.Module:
+def build_trained_model(args: ResolvedArgs, topo: Topology, *,
+                        warm_start: bool = False) -> torch.nn.Module:
     """The run's transformer as training uses it: checkpointing, compile, then FSDP2 over the
     mesh (fully_shard goes last, around blocks that are already wrapped and compiled) and
     context parallel over the cp group. A LoRA run (lora_rank > 0) loads its frozen base and
     applies its adapters here (trainer.models.lora), so FSDP2 shards each adapter with its
-    block; the stage's warm start is then the base already loaded."""
+    block; the stage's warm start is then the base already loaded.
+
+    `warm_start`: the stage starts this model from pretrained_transformer_path. When that is
+    safetensors and FSDP2 shards the model (`streams_weights`), it is built on the meta device,
+    sharded, and only then given storage (each rank its shards) and its initialisation: no
+    rank ever holds the whole model; the warm start then reads the files tensor by tensor
+    into the shards (trainer.checkpoint.warm_start)."""
+    if warm_start and streams_weights(args, topo):
+        with torch.device("meta"):
+            meta = family_of(args).build(model_config(args))
+        if hasattr(meta, "init_weights"):  # else built whole, as below
+            from trainer.parallel.distributed import materialise
+
+            log.info("building the model sharded (meta device, then each rank's shards): its "
+                     "weights stream from %s", args.pretrained_transformer_path)
+            return materialise(distribute(prepare_for_training(meta, args), topo), topo.device)
+        del meta
     model = build_model(args, topo.device)
     if lora_enabled(args):  # the frozen base and its adapters, before checkpointing and FSDP2
         from trainer.models.lora import prepare_lora
 
         model = prepare_lora(model, args)
     return distribute(prepare_for_training(model, args), topo)
+
+
+def streams_weights(args: ResolvedArgs, topo: Topology) -> bool:
+    """Whether a warm start of this run reads pretrained_transformer_path tensor by tensor into
+    FSDP2 shards of a model built on the meta device: more than one rank sharding it, no LoRA
+    (its base loads before the adapters), and a safetensors source (a diffusers or original
+    release directory, relay's model.safetensors). A source that cannot be resolved is left
+    to the warm start, which names the problem."""
+    if (topo.fsdp_mesh is None or lora_enabled(args) or not args.load_transformer_weights
+            or not args.pretrained_transformer_path):
+        return False
+    from trainer.checkpoint.layout import CheckpointError
+    from trainer.checkpoint.weights_source import resolve_weights_source
+
+    try:
+        source = resolve_weights_source(args.pretrained_transformer_path,
+                                        weights=args.pretrained_weights)
+    except (CheckpointError, OSError, ValueError):
+        return False
+    return source.kind in ("safetensors", "safetensors_dir")
 
 
 def distribute(model: torch.nn.Module, topo: Topology) -> torch.nn.Module:
@@ -231,7 +268,7 @@ def _fm_stage(args: ResolvedArgs, topo: Topology):
     """Pretrain / SFT: one transformer, its optimizer, schedule and EMA."""
     from trainer.stages.fm import FlowMatchingStage, PackedForward
 
-    model = build_trained_model(args, topo)
+    model = build_trained_model(args, topo, warm_start=True)
     optimizer, scheduler = build_optimization(args, model, max_steps=args.max_steps)
     # Packs run through forward_packed (registered with FSDP2 in trainer.parallel.distributed).
     runs = PackedForward(model) if packing_budget(args) is not None else model
@@ -247,7 +284,7 @@ def _tf_anyflow_stage(args: ResolvedArgs, topo: Topology):
     from trainer.stages.tf_anyflow import (TeacherForcingForward, TeacherForcingPackedForward,
                                            TFAnyFlowStage)
 
-    model = build_trained_model(args, topo)
+    model = build_trained_model(args, topo, warm_start=True)
     optimizer, scheduler = build_optimization(args, model, max_steps=args.max_steps)
     packed = packing_budget(args) is not None
     forward = TeacherForcingPackedForward if packed else TeacherForcingForward

@@ -4,8 +4,8 @@ A warm start copies weights only: optimizer, LR schedule, step and data cursor s
 is used while the run's own output_dir holds no checkpoint (resume always wins). Sources, by
 what `path` names:
 
-- a plain state dict file: `.safetensors`, or a torch file (`.pt`, `.pth`, `.bin`) read with
-  `torch.load(weights_only=True)`;
+- a plain state dict file: `.safetensors` (read tensor by tensor, as a directory's files), or
+  a torch file (`.pt`, `.pth`, `.bin`) read with `torch.load(weights_only=True)`;
 - a directory holding `model_state.pt`;
 - a training checkpoint `checkpoint-<step>/`: its `ema/` member for `weights="ema"`, its
   `transformer/` member for `weights="live"`, or the member named by `member` (multi-role
@@ -14,7 +14,8 @@ what `path` names:
 - an output_dir: its newest complete checkpoint, as above;
 - a directory of safetensors files (a diffusers pipeline directory, its transformer/ folder,
   or a public release's folder): the shards its index names, or its one file, read tensor by
-  tensor with `safe_open` and loaded shard by shard; the keys go through the model family's
+  tensor with `safe_open`, each copied into the model (into an FSDP2 shard: only the rank's
+  part of it) before the next is read; the keys go through the model family's
   state-dict adapter ("original" when they look like the original Wan release's, else
   "diffusers").
 
@@ -139,23 +140,56 @@ def _directory_keys(source: WeightsSource, family) -> tuple[dict[str, tuple[int,
     return shapes, where, layout
 
 
-def _load_directory(model: torch.nn.Module, keys: list[str],
-                    where: dict[str, tuple[Path, str]]) -> None:
-    """Load `keys` into `model` one safetensors file at a time (never the whole model)."""
-    from safetensors import safe_open
+# Called with (key, bytes) for each whole tensor the safetensors reader holds, before it is
+# copied into the model (one at a time): what a rank materialises beyond its own shards while
+# weights stream in (tests/test_streamed_warm_start.py measures it through this).
+LOAD_OBSERVERS: list = []
 
+
+def _load_tensors(model: torch.nn.Module, keys: list[str],
+                  where: dict[str, tuple[Path, str]]) -> None:
+    """Load `keys` into `model` (plain or FSDP2-sharded) from safetensors files, one tensor at
+    a time: each is read whole with safe_open and copied into the model's tensor in the model's
+    dtype, or, into an FSDP2 shard (a DTensor), only the part this rank holds
+    (torch.distributed.tensor.distribute_tensor of the whole onto the shard's mesh and
+    placements, cut locally: every rank reads the same file, so nothing is sent). A rank holds
+    its shards and at most one whole tensor, never the whole model."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    targets = model.state_dict(keep_vars=True)
     by_file: dict[Path, list[str]] = {}
     for key in keys:
         by_file.setdefault(where[key][0], []).append(key)
     for file, file_keys in by_file.items():
         try:
-            with safe_open(str(file), framework="pt", device="cpu") as handle:
-                shard = {key: handle.get_tensor(where[key][1]) for key in file_keys}
+            handle = safe_open(str(file), framework="pt", device="cpu")
         except Exception as exc:
             raise CheckpointError(f"could not read weights from {file}: "
                                   f"{describe_load_error(exc)}") from exc
-        set_model_state_dict(model, shard, options=StateDictOptions(full_state_dict=True, strict=False))
-        del shard
+        with handle:
+            for key in file_keys:
+                try:
+                    whole = handle.get_tensor(where[key][1])
+                except Exception as exc:
+                    raise CheckpointError(f"could not read weights from {file}: "
+                                          f"{describe_load_error(exc)}") from exc
+                for observer in LOAD_OBSERVERS:
+                    observer(key, whole.nbytes)
+                target = targets.get(key)
+                if target is None:  # a name only torch's state-dict API resolves
+                    set_model_state_dict(model, {key: whole}, options=StateDictOptions(
+                        full_state_dict=True, strict=False))
+                elif isinstance(target, DTensor):
+                    part = distribute_tensor(whole, target.device_mesh, target.placements,
+                                             src_data_rank=None)
+                    with torch.no_grad():
+                        target.to_local().copy_(part.to_local())
+                    del part
+                else:
+                    with torch.no_grad():
+                        target.copy_(whole)
+                del whole
 
 
 def _matches(key: str, patterns: Iterable[str]) -> bool:
@@ -183,9 +217,10 @@ def load_warm_start(
     A key whose shape differs is an error unless `allow_missing` matches it (then it is
     skipped like a missing one). With `strict=False`, other missing/unexpected keys are only
     reported. DCP sources are read shard-by-shard as a collective when a process group is
-    initialised; plain files are read whole on every rank; a safetensors directory is read
-    one file at a time on every rank, its keys mapped through `family`'s state-dict adapter
-    (trainer.models.family.ModelFamily; None: the keys as stored).
+    initialised; torch files are read whole on every rank; safetensors (a file, or a
+    directory whose keys are mapped through `family`'s state-dict adapter,
+    trainer.models.family.ModelFamily; None: the keys as stored) are read one tensor at a time
+    on every rank, each rank keeping only its shard of it (`_load_tensors`).
 
     Returns {"source", "member", "weights", "loaded", "missing", "unexpected",
     "skipped_shape_mismatch"} (the last four are lists of keys). Raises CheckpointError naming
@@ -205,6 +240,12 @@ def load_warm_start(
             stored = {key: tuple(shape) for key, (shape, _) in read_dcp_tensor_shapes(source.path).items()}
         except Exception as exc:
             raise CheckpointError(f"could not read DCP metadata of {source.path}: {exc}") from exc
+    elif source.kind == "safetensors":  # relay's model.safetensors: streamed like a directory
+        try:
+            stored = safetensors_keys(source.path)
+        except CheckpointError as exc:
+            raise CheckpointError(f"could not read weights from {source.path}: {exc}") from None
+        where = {key: (source.path, key) for key in stored}
     else:
         plain = _read_plain_file(source)
         stored = {key: tuple(value.shape) for key, value in plain.items()}
@@ -243,8 +284,8 @@ def load_warm_start(
         except Exception as exc:
             raise CheckpointError(f"could not load DCP weights from {source.path}: {exc}") from exc
         set_model_state_dict(model, subset, options=StateDictOptions(strict=False))
-    elif source.kind == "safetensors_dir":
-        _load_directory(model, keys, where)
+    elif source.kind in ("safetensors_dir", "safetensors"):
+        _load_tensors(model, keys, where)
     else:
         subset = {key: plain[key] for key in keys}
         set_model_state_dict(model, subset, options=StateDictOptions(full_state_dict=True, strict=False))

@@ -21,7 +21,11 @@ Calls, by capability (shapes: x [B, C, T, H, W] latents, text [B, L, text_dim], 
 Hooks: `config` (the dict the family built it from), `geometry` (trainer.models.family.Geometry),
 `fsdp_units()` (submodules FSDP2 shards as their own units, innermost first; the root is
 sharded last), `checkpoint_units()` (what activation checkpointing wraps), `compile_blocks()`,
-`attach_context_parallel(ulysses)` (where Ulysses' exchanges run).
+`attach_context_parallel(ulysses)` (where Ulysses' exchanges run). Optional:
+`init_weights()` (the constructor's initialisation again, non-persistent buffers included, on
+a module built on the meta device and materialised empty): a family that has it is built
+sharded from the start when a multi-rank run streams its weights from safetensors files
+(trainer.build); one without it is built whole first, as before.
 """
 
 from __future__ import annotations

@@ -164,6 +164,15 @@ def shard_model(model: torch.nn.Module, topo: Topology) -> torch.nn.Module:
     return model
 
 
+def materialise(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Give a model built on the meta device (and sharded: shard_model) real storage on
+    `device`, each rank only its own shards, and initialise it as its constructor would (the
+    family's `init_weights`, trainer.models.protocol). Returns it."""
+    model.to_empty(device=device)
+    model.init_weights()
+    return model
+
+
 def is_sharded(model: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 

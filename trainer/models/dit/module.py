@@ -444,6 +444,20 @@ class VideoDiT(nn.Module):
         """Patch size, heads, widths and the causal / two-time settings (trainer.models.family)."""
         return dit_geometry(self.config)
 
+    def init_weights(self) -> None:
+        """The constructor's initialisation again, in place, for a module built on the meta
+        device and materialised empty (trainer.parallel.distributed.materialise): each layer's
+        own reset, then `_init_weights`, E_r as a copy of E_t, the time gate from the config
+        (a non-persistent buffer, so no file holds it)."""
+        with torch.no_grad():
+            for module in self.modules():
+                if module is not self and hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+            self._init_weights()
+            if self.r_embedder is not None:
+                self.init_second_time_from_first()
+            self.time_gate.fill_(float(self.cfg.time_gate))
+
     def init_second_time_from_first(self) -> None:
         """E_r := E_t (docs/algorithms.md, "Two-time model"), so e(t, t) = E_t(t) right after:
         the model with the flow-matching weights loaded is exactly that model at r = t.

@@ -283,6 +283,21 @@ class WanTransformer(WanCausal, nn.Module):
         for module in (self, *self.blocks):
             module.ulysses = ulysses
 
+    def init_weights(self) -> None:
+        """The constructor's initialisation again, in place, for a module built on the meta
+        device and materialised empty (trainer.parallel.distributed.materialise): each layer's
+        own reset, the modulation tables' N(0, 1/dim), E_r as a copy of E_t, the time gate
+        from the config (a non-persistent buffer, so no file holds it)."""
+        with torch.no_grad():
+            for module in self.modules():
+                if module is not self and hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+            for table in (self.scale_shift_table, *(b.scale_shift_table for b in self.blocks)):
+                table.normal_(0.0, table.shape[-1] ** -0.5)
+            if self.condition_embedder.time_embedder_r is not None:
+                self.init_second_time_from_first()
+            self.time_gate.fill_(float(self._config["time_gate"]))
+
     def init_second_time_from_first(self) -> None:
         """E_r := E_t (docs/algorithms.md, "Two-time model"), so e(t, t) = e_t right after: the
         model with single-time weights loaded is exactly that model at r = t. Raises
