@@ -66,7 +66,9 @@ def main(directory: str, out: str, data: str) -> None:
     streamed_build = meter.bytes
     params = list(model.parameters())
     whole_model = sum(p.numel() * p.element_size() for p in params)  # a DTensor's numel: global
-    shards = sum(p.to_local().nbytes for p in params)
+    # What the rank holds of them: each shard's storage (FSDP2 pads uneven ones).
+    shards = sum({_storage(p)[1]: _storage(p)[0].untyped_storage().nbytes()
+                  for p in params}.values())
     held: list[int] = []
     warm_start.LOAD_OBSERVERS.append(lambda key, size: held.append(size))
     report = warm_start.load_warm_start(directory, model, weights="live", family=family_of(args))
