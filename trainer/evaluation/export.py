@@ -266,7 +266,7 @@ def write_diffusers(source: ExportSource, out: Path, *, overwrite: bool,
         if sampling is not None:
             (tmp / SAMPLING_FILE).write_text(json.dumps(sampling, indent=2) + "\n")
             lines.append(f"wrote {out / SAMPLING_FILE}: a causal model (chunks of "
-                         f"{sampling['causal_chunk_size']} latent frames) distilled for "
+                         f"{_count(sampling['causal_chunk_size'], 'latent frame')}) distilled for "
                          f"{sampling['steps']} steps at shift {sampling['shift']:g}; diffusers' "
                          f"WanPipeline runs these weights bidirectionally, relay samples them "
                          f"causally with a KV cache (relay sample)")
@@ -422,9 +422,9 @@ def _find_pipeline(components: str | None, args) -> tuple[Path | None, str]:
                 f"the directory a diffusers pipeline loads from (model_index.json, vae/, "
                 f"text_encoder/, tokenizer/, scheduler/), or leave --components out.")
         return path, "--components"
-    path, load = args.get("pretrained_transformer_path"), args.get("load_transformer_weights")
+    path = _start_path(args)
     for _ in range(_FOLLOW_LIMIT):
-        if path is None or not load:
+        if path is None:
             return None, "the run did not start from a diffusers pipeline directory"
         start = Path(path)
         pipeline = _pipeline_root(start)
@@ -434,8 +434,17 @@ def _find_pipeline(components: str | None, args) -> tuple[Path | None, str]:
         if earlier is None:
             return None, (f"the run started from {start}, which is not (or no longer) a "
                           f"diffusers pipeline directory")
-        path, load = earlier.get("pretrained_transformer_path"), earlier.get("load_transformer_weights")
+        path = _start_path(earlier)
     return None, "the runs it started from lead to no diffusers pipeline directory"
+
+
+def _start_path(args) -> str | None:
+    """The weights a run started from: pretrained_transformer_path (when loaded), or a Stage2
+    run's student_init_path (the Stage1 run, which started from SFT, which started from the
+    pipeline directory)."""
+    if args.get("stage") == "dmd_sgf":
+        return args.get("student_init_path")
+    return args.get("pretrained_transformer_path") if args.get("load_transformer_weights") else None
 
 
 def _pipeline_root(path: Path) -> Path | None:
