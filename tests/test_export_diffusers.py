@@ -241,6 +241,10 @@ def test_relay_only_settings_diffusers_cannot_run_are_refused():
     kept = export._diffusers_config(spec, {**config, "attention_backend": "sdpa"}, "wan")
     assert kept == {k: v for k, v in config.items() if k in kept} and "attention_backend" not in kept
     assert {k: kept[k] for k in tiny.TRANSFORMER} == tiny.TRANSFORMER
-    for key, value in (("two_time", True), ("causal_chunk_size", 1), ("a_new_key", 0)):
+    for key, value in (("two_time", True), ("a_new_key", 0)):
         with pytest.raises(export.ExportError, match=f"{key}: .*--format relay"):
             export._diffusers_config(spec, {**config, key: value}, "wan")
+    # the causal chunking is how relay samples the weights, not the weights: left out of the
+    # config (relay-sampling.json says it; tests/test_wan_distill.py)
+    causal = {**config, "causal_chunk_size": 1, "attn_window_chunks": 2}
+    assert export._diffusers_config(spec, causal, "wan") == kept
