@@ -11,7 +11,8 @@ layout through SFT -> Stage1 -> Stage2 under `relay run`, few steps each.
   WanTransformer3DModel and gives relay's bidirectional output; relay-sampling.json beside it
   holds the few-step settings; a two-time Stage1 model is refused;
 - `relay sample` at 1, 2 and 4 steps writes mp4s through the tiny pipeline's VAE;
-- the health gate's statistics are logged for wan;
+- the health gate works over wan's Stage2 statistics: a diverging critic stops the run,
+  saved, with a sentence;
 - `relay submit --dry-run` validates the shipped 1.3B and 14B chains against stub releases
   (only `source` and `data` edited), and the tiny chain before anything exists.
 """
@@ -331,3 +332,29 @@ def test_the_shipped_distill_chains_dry_run_with_two_lines_edited(name, tmp_path
     totals = [float(line.split("~")[1].split()[0]) for line in plan.splitlines()
               if line.strip().startswith("total ~")]
     assert len(totals) == 3 and max(totals) < 141, totals
+
+
+def test_a_diverging_wan_critic_stops_stage2_saved_with_a_sentence(chain):
+    """The health gate over wan's Stage2 statistics: a critic learning rate of 1.0 diverges,
+    the run saves, says why in one sentence and exits 1."""
+    reference, out = chain["reference"], chain["tmp"] / "broken"
+    source = chain["tmp"] / "tiny-wan"
+    proc = subprocess.run(
+        [sys.executable, "trainer/train.py", "--config", "config/wan/tiny-stage2.yaml",
+         "--student_init_path", str(reference / "stage1"), "--teacher_init_path",
+         str(reference / "sft"), "--critic_init_path", str(reference / "sft"),
+         "--data_path", str(chain["tmp"] / "data"), "--synthetic_num_samples", "8",
+         "--vae_path", str(source / "vae"), "--text_encoder", str(source / "text_encoder"),
+         "--output_dir", str(out), "--critic_learning_rate", "1.0", "--max_steps", "30",
+         "--validation_interval", "-1", "--log_interval", "1", "--save_interval", "100"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    result = json.loads((out / "run-result.json").read_text())
+    stop = result["stop_reason"]
+    assert result["status"] == "failed" and stop["gate"] == "critic" and stop["step"] < 30
+    assert "critic_learning_rate" in result["error"] and "\n" not in result["error"]
+    assert result["last_checkpoint"] == str(out / f"checkpoint-{stop['step']}")
+    assert (out / f"checkpoint-{stop['step']}" / "COMPLETE").is_file()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["critic_loss_rel"] == pytest.approx(1.0)
+    assert records[-1]["critic_loss_rel"] > 10
