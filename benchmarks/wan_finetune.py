@@ -4,7 +4,9 @@ shape, with checkpoints, a resume and a validation clip decoded by a Wan VAE.
     python benchmarks/wan_finetune.py --root /tmp/wan-ft --json wan-finetune.json
                                       [--steps 100 --resume-steps 50] [--size 1.3b|tiny]
 
-What it does, as a user's run would:
+What it does, as a user's run would (SFT; with --stage1-steps and --stage2-steps also the
+distillation stages after it, from SFT's and Stage1's outputs as config/pipeline/wan-distill-1.3b.yaml
+wires them):
 1. writes `--samples` clips of random latents at the size's shape ([16, 21, 60, 104] at 1.3b:
    81 frames of 832x480 through Wan's 4x8x8 VAE) with random caption embeddings of 20-120
    tokens x 4096, in relay's shard layout (docs/data.md); a randomly initialised
@@ -74,13 +76,17 @@ def write_vae(out: Path, tiny: bool) -> Path:
     return out
 
 
-def train(args, root: Path, max_steps: int, log: Path) -> dict:
+STAGE_CONFIGS = {"sft": "config/wan/t2v-1.3b-sft.yaml", "stage1": "config/wan/t2v-1.3b-stage1.yaml",
+                 "stage2": "config/wan/t2v-1.3b-stage2.yaml"}
+
+
+def stage_argv(args, root: Path, stage: str, max_steps: int) -> list[str]:
+    """train.py's command line for one stage of the chain: SFT from random weights, Stage1 from
+    SFT's EMA, Stage2's student from Stage1's EMA and its teacher and critic from SFT's."""
     size = SIZES[args.size]
     c, t, h, w = size["latent"]
-    argv = [sys.executable, "trainer/train.py", "--config", "config/wan/t2v-1.3b-sft.yaml",
-            "--pretrained_transformer_path", "null", "--load_transformer_weights", "false",
-            "--transformer_config_overrides", json.dumps(size["overrides"] or {}),
-            "--data_path", str(root / "data"), "--output_dir", str(root / "run"),
+    argv = [sys.executable, "trainer/train.py", "--config", STAGE_CONFIGS[stage],
+            "--data_path", str(root / "data"), "--output_dir", str(root / stage),
             "--vae_path", str(root / "vae"), "--text_encoder", "standin",
             "--text_max_tokens", "512", "--expected_latent_shape", json.dumps([c, t, h, w]),
             "--global_batch_size", "1", "--gradient_accumulation_steps", "1",
@@ -88,10 +94,25 @@ def train(args, root: Path, max_steps: int, log: Path) -> dict:
             "--save_total_limit", "2", "--log_interval", "1",
             "--validation_interval", str(max_steps), "--validation_num_captions", "1",
             "--validation_steps", str(args.validation_steps), "--validation_weights", "ema",
-            "--warmup_steps", "10", "--report_to", "none"]
-    if args.size == "tiny":
-        argv += ["--dtype", "float32", "--compile_transformer", "false",
+            "--report_to", "none"]
+    if stage == "sft":
+        argv += ["--pretrained_transformer_path", "null", "--load_transformer_weights", "false",
+                 "--warmup_steps", "10"]
+    elif stage == "stage1":
+        argv += ["--pretrained_transformer_path", str(root / "sft")]
+    else:
+        argv += ["--student_init_path", str(root / "stage1"), "--teacher_init_path",
+                 str(root / "sft"), "--critic_init_path", str(root / "sft")]
+    if size["overrides"] is not None:  # the stage configs repeat the 1.3B architecture
+        causal = {"stage1": {"causal_chunk_size": 1, "two_time": True, "time_gate": 0.25},
+                  "stage2": {"causal_chunk_size": 1}}.get(stage, {})
+        argv += ["--transformer_config_overrides", json.dumps({**size["overrides"], **causal}),
+                 "--dtype", "float32", "--compile_transformer", "false",
                  "--enable_gradient_checkpointing", "false"]
+    return argv
+
+
+def train(argv: list[str], log: Path) -> dict:
     start = time.perf_counter()
     with log.open("w") as handle:
         proc = subprocess.run(argv, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT,
@@ -100,15 +121,20 @@ def train(args, root: Path, max_steps: int, log: Path) -> dict:
             "log_tail": log.read_text()[-3000:]}
 
 
+def _loss(record: dict) -> float | None:
+    # Stage2 logs the critic's loss every step and the student's on its updates
+    return record.get("loss", record.get("critic_loss"))
+
+
 def summarise(run: Path, first_step: int, last_step: int, warmup: int) -> dict:
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
                if line.strip()]
-    steps = [r for r in records if "loss" in r and first_step <= r.get("step", 0) <= last_step]
+    steps = [r for r in records if "step_time_s" in r and first_step <= r.get("step", 0) <= last_step]
     times = [r["step_time_s"] for r in steps[warmup:] if "step_time_s" in r]
     peaks = [r["peak_device_mem_gb"] for r in steps if r.get("peak_device_mem_gb") is not None]
     return {"logged_steps": [steps[0]["step"], steps[-1]["step"]] if steps else None,
-            "first_loss": steps[0]["loss"] if steps else None,
-            "last_loss": steps[-1]["loss"] if steps else None,
+            "first_loss": _loss(steps[0]) if steps else None,
+            "last_loss": _loss(steps[-1]) if steps else None,
             "median_step_s": statistics.median(times) if times else None,
             "peak_device_mem_gib": max(peaks) if peaks else None,
             "checkpoints": sorted(p.name for p in run.glob("checkpoint-*")),
@@ -123,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--resume-steps", type=int, default=50)
+    parser.add_argument("--stage1-steps", type=int, default=0,
+                        help="then Stage1 (TF-AnyFlow) from SFT's EMA for this many steps (0: none)")
+    parser.add_argument("--stage2-steps", type=int, default=0,
+                        help="then Stage2 (DMD via SGF) for this many outer steps (0: none)")
     parser.add_argument("--save-interval", type=int, default=50)
     parser.add_argument("--validation-steps", type=int, default=8)
     args = parser.parse_args(argv)
@@ -139,14 +169,19 @@ def main(argv: list[str] | None = None) -> int:
     write_vae(args.root / "vae", tiny=args.size == "tiny")
     report["setup_s"] = time.perf_counter() - start
     save()
-    for phase, max_steps in (("first", args.steps), ("resumed", args.steps + args.resume_steps)):
-        first = 1 if phase == "first" else args.steps + 1
-        report[phase] = train(args, args.root, max_steps, args.root / f"{phase}.log")
+    sft_total = args.steps + args.resume_steps
+    phases = [("sft", "sft", args.steps, 1), ("sft-resumed", "sft", sft_total, args.steps + 1)]
+    if args.stage1_steps:
+        phases.append(("stage1", "stage1", args.stage1_steps, 1))
+    if args.stage1_steps and args.stage2_steps:
+        phases.append(("stage2", "stage2", args.stage2_steps, 1))
+    for phase, stage, max_steps, first in phases:
+        log = args.root / f"{phase}.log"
+        report[phase] = train(stage_argv(args, args.root, stage, max_steps), log)
         if report[phase]["returncode"] == 0:
-            report[phase].update(summarise(args.root / "run", first, max_steps, warmup=5))
-            log = (args.root / f"{phase}.log").read_text()
+            report[phase].update(summarise(args.root / stage, first, max_steps, warmup=5))
             report[phase]["resumed_from"] = next(
-                (line.split("resumed from ", 1)[1] for line in log.splitlines()
+                (line.split("resumed from ", 1)[1] for line in log.read_text().splitlines()
                  if "resumed from " in line), None)
         save()
         print(json.dumps({k: v for k, v in report[phase].items() if k not in ("argv", "log_tail")}),
