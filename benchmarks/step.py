@@ -14,6 +14,8 @@ In one process, on one GPU, with the same batch, tokens, dtype and optimizer:
    where model is one of
    - `relay`: relay's own DiT at the size (its adaLN is a Linear(D, 6D) per block);
    - `relay-wan`: relay's `wan` family, the Wan architecture itself, through relay's kernels;
+   - `relay-wan-lora`: the same model as a LoRA of rank `--lora-rank` (the family's default
+     targets: q/k/v/out of both attentions) over its own random weights as the frozen base;
    - `wan`: diffusers' `WanTransformer3DModel` as shipped (its attention through
      `dispatch_attention_fn`, PyTorch SDPA by default);
    - `wan-fa4`: the same diffusers model with relay's FA4 operator
@@ -77,7 +79,7 @@ SIZES = {
     "tiny": dict(hidden=64, heads=2, layers=2, ffn=160, latent=(4, 3, 8, 8), text=8, text_dim=32),
 }
 PATCH = (1, 2, 2)
-MODELS = ("relay", "relay-wan", "wan", "wan-fa4")
+MODELS = ("relay", "relay-wan", "relay-wan-lora", "wan", "wan-fa4")
 ATTENTION_KERNELS = re.compile(r"flash|fmha|attn|attention|sdpa|cudnn.*(sdpa|mha)", re.IGNORECASE)
 
 
@@ -133,8 +135,9 @@ class FixedBatches:
 
 
 def relay_args(size: dict, mode: str, checkpointing: str, attention: str, workdir: str,
-               family: str = "dit"):
-    """train.py's arguments for this run, through train.py's own parser."""
+               family: str = "dit", lora_base: str | None = None, lora_rank: int = 0):
+    """train.py's arguments for this run, through train.py's own parser (a LoRA run of rank
+    `lora_rank` over the frozen base in the safetensors file `lora_base`)."""
     from trainer.config.args import resolve_config
 
     config = str(Path(__file__).resolve().parents[1] / "config/tiny/pretrain.yaml")
@@ -149,21 +152,34 @@ def relay_args(size: dict, mode: str, checkpointing: str, attention: str, workdi
             "--enable_gradient_checkpointing", str(checkpointing != "off").lower(),
             "--use_dedicated_gradient_checkpointing", str(checkpointing == "selective").lower(),
             "--output_dir", workdir, "--data_path", workdir, "--validation_interval", "-1"]
+    if lora_rank:
+        argv += ["--lora_rank", str(lora_rank), "--pretrained_transformer_path", lora_base,
+                 "--load_transformer_weights", "true"]
     # The step reads fixed in-memory batches (FixedBatches), never the data directory.
     return resolve_config(config, argv, check_paths=False)
 
 
 def build_relay(size: dict, mode: str, checkpointing: str, attention: str, device, workdir: str,
-                family: str = "dit"):
+                family: str = "dit", lora_rank: int = 0):
     """(step function, parameter count, model config) of relay's FlowMatchingStage on the
-    family's model (relay's DiT, or its wan family)."""
+    family's model (relay's DiT, or its wan family); with `lora_rank`, a LoRA of the family's
+    default targets over the model's own random weights, saved as its frozen base first."""
+    from safetensors.torch import save_file
+
     from trainer.build import build_ema, build_optimization, build_text_encoder, prepare_for_training
     from trainer.models.registry import family_of, model_config
     from trainer.stages.fm import FlowMatchingStage
 
+    base = str(Path(workdir) / "base.safetensors")
     args = relay_args(size, mode, checkpointing, attention, workdir, family)
     with torch.device(device):  # initialised on the GPU: 1.5 B parameters are slow on the host
         model = family_of(args).build(model_config(args))
+    if lora_rank:  # as build_trained_model does: the frozen base and its adapters first
+        from trainer.models.lora import prepare_lora
+
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, base)
+        args = relay_args(size, mode, checkpointing, attention, workdir, family, base, lora_rank)
+        model = prepare_lora(model, args)
     model = prepare_for_training(model, args)
     optimizer, scheduler = build_optimization(args, model, max_steps=args.max_steps)
     ema = build_ema(args, model)
@@ -171,7 +187,12 @@ def build_relay(size: dict, mode: str, checkpointing: str, attention: str, devic
                               FixedBatches(size, pin=device.type == "cuda"), args,
                               build_text_encoder(args), device)
     params = sum(p.numel() for p in model.parameters())
-    return (lambda step: stage.train_step(step)["loss"]), params, model.config
+
+    def step(index: int) -> float:
+        return stage.train_step(index)["loss"]
+
+    step.params = list(model.parameters())
+    return step, params, dict(model.config)
 
 
 def route_diffusers_wan_attention(fa4: bool) -> None:
@@ -372,16 +393,21 @@ def run_one(spec: str, size_name: str, args, device, ceiling_tflops: float | Non
     build_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as workdir:
         try:
-            if model_name in ("relay", "relay-wan"):
+            if model_name.startswith("relay"):
                 family = "dit" if model_name == "relay" else "wan"
+                lora = args.lora_rank if model_name == "relay-wan-lora" else 0
                 step, params, config = build_relay(size, mode, checkpointing, args.attention, device,
-                                                   workdir, family)
+                                                   workdir, family, lora)
+                result["trainable_parameters"] = sum(p.numel() for p in step.params if p.requires_grad)
                 forward = model_forward_flops(family, config, video_tokens(size), size["text"])
             else:
                 step, params, config = build_wan(size, mode, checkpointing, device,
                                                  fa4=model_name == "wan-fa4")
                 forward = model_forward_flops("wan", config, video_tokens(size), size["text"])
-            result.update(parameters=params, train_flops=train_flops(forward),
+            # A LoRA step computes no weight gradients of the frozen base: forward plus the
+            # input gradients, 2x the forward (the adapters' own products are negligible).
+            flops = 2 * forward if model_name == "relay-wan-lora" else train_flops(forward)
+            result.update(parameters=params, train_flops=flops,
                           build_s=time.perf_counter() - build_start)
             first = time.perf_counter()
             times, losses = [], []
@@ -450,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated model:mode:checkpointing (relay|relay-wan|wan|wan-fa4, "
                              "eager|compiled, on|off|selective)")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--lora-rank", type=int, default=32,
+                        help="the rank of relay-wan-lora runs (the wan family's default targets)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--attention", default="auto", help="relay's attention_backend")
     parser.add_argument("--profile", default="", help="runs to profile one extra step of")
