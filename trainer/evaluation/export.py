@@ -34,6 +34,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+from trainer.runtime.files import replace_directory
+
 LINK_FROM_BYTES = 1 << 20  # component files this large are hardlinked, smaller ones copied
 DEFAULT_MAX_SHARD_SIZE = "10GB"  # diffusers' own default for save_pretrained
 _FOLLOW_LIMIT = 16  # warm starts followed back from run to run to find a pipeline directory
@@ -278,7 +280,7 @@ def write_diffusers(source: ExportSource, out: Path, *, overwrite: bool,
         else:
             lines.append(f"wrote transformer/ only: {note}; pass --components PIPELINE_DIR for "
                          f"a directory {_pipeline_class(spec)}.from_pretrained loads.")
-        _publish(tmp, out)
+        replace_directory(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -557,17 +559,6 @@ def _check_out_dir(out: Path, overwrite: bool, checkpoint: Path, pipeline: Path 
         raise ExportError(f"{out} holds files that are not a diffusers directory (no "
                           f"transformer/, no {MODEL_INDEX}); --force replaces only a previous "
                           f"export. Choose another directory.")
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    """Move the written directory to `out`, replacing what is there (checked beforehand)."""
-    if not out.exists():
-        os.replace(tmp, out)
-        return
-    old = out.parent / f".{out.name}.relay-replaced-{uuid.uuid4().hex[:8]}"
-    os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _read_json(path: Path) -> Any:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.models.lora_targets import lora_enabled, lora_scale
+from trainer.runtime.files import replace_directory
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -95,7 +96,7 @@ def write_peft(source, out: Path, *, overwrite: bool) -> list[str]:
         tmp.mkdir()
         save_file(tensors, str(tmp / ADAPTER_FILE), metadata=metadata)
         (tmp / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        _publish(tmp, out)
+        replace_directory(tmp, out)
     except OSError as exc:
         raise _export_error(f"could not write {out} ({exc.strerror or exc}); nothing partial was "
                             f"left there. Free space or choose another directory.") from None
@@ -142,13 +143,3 @@ def _check_out(out: Path, overwrite: bool) -> None:
     if not (out / ADAPTER_FILE).is_file():
         raise _export_error(f"{out} holds files that are not a LoRA export (no {ADAPTER_FILE}); "
                             f"--force replaces only a previous export. Choose another directory.")
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    if not out.exists():
-        os.replace(tmp, out)
-        return
-    old = out.parent / f".{out.name}.relay-replaced-{uuid.uuid4().hex[:8]}"
-    os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
