@@ -74,5 +74,7 @@ def lora_alpha(args: Any) -> float:
 
 
 def lora_enabled(args: Any) -> bool:
-    """Whether the run trains LoRA adapters (lora_rank > 0) rather than every weight."""
-    return int(args.get("lora_rank") or 0) > 0
+    """Whether the run trains LoRA adapters (lora_rank > 0) rather than every weight; `args`
+    is a mapping or resolved arguments (either has `get`), or a namespace of attributes."""
+    rank = args.get("lora_rank") if hasattr(args, "get") else getattr(args, "lora_rank", None)
+    return int(rank or 0) > 0
