@@ -111,6 +111,10 @@ class ModelFamily(ABC):
     # trainer.models.lora_targets matches them); () means the family names none, and a LoRA run
     # must name its targets.
     lora_target_modules: ClassVar[tuple[str, ...]] = ()
+    # Bytes a compiled bf16 block keeps per token x hidden_size for its backward, without
+    # activation checkpointing, as measured on a GPU (trainer.parallel.memory_estimate); None
+    # takes the estimate's conservative default.
+    activation_bytes: ClassVar[float | None] = None
 
     # -- config -----------------------------------------------------------------------------
     @abstractmethod
