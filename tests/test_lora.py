@@ -265,14 +265,37 @@ def test_resume_is_bit_exact(run, root, base):
     _adapters_equal(run / f"checkpoint-{STEPS}", out / f"checkpoint-{STEPS}")
 
 
-def test_resume_at_two_ranks_is_bit_exact(root, base):
+@pytest.fixture(scope="module")
+def dp2(root, base):
+    """The LoRA run of `run` on two data-parallel ranks (gloo)."""
     two = root / "dp2"
     _ok(_train(_argv(root, base, two), nproc=2))
+    return two
+
+
+def test_resume_at_two_ranks_is_bit_exact(root, base, dp2):
+    two = dp2
     out = root / "dp2-resumed"
     _resume_copy(two, out, 2)
     _ok(_train(_argv(root, base, out), nproc=2))
     assert _losses(out) == _losses(two)
     _adapters_equal(two / f"checkpoint-{STEPS}", out / f"checkpoint-{STEPS}")
+
+
+def test_context_parallel_trains_the_adapters_as_data_parallel_does(root, base, dp2):
+    # Ulysses over two ranks, one data-parallel group of 8 samples, sees the global batch of two
+    # data-parallel ranks of 4; the sequence split changes only the order of float sums.
+    out = root / "cp2"
+    _ok(_train(_argv(root, base, out, "--cp_size", "2", "--train_batch_size", "8"), nproc=2))
+    from trainer.models.lora import checkpoint_adapters
+
+    got, want = _losses(out), _losses(dp2)
+    assert [s for s, _ in got] == [s for s, _ in want]
+    assert [loss for _, loss in got] == pytest.approx([loss for _, loss in want], rel=1e-5)
+    a, b = (checkpoint_adapters(run / f"checkpoint-{STEPS}", weights="live") for run in (out, dp2))
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6)
 
 
 def test_a_base_that_changed_is_refused(run, root, base):
