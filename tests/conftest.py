@@ -7,6 +7,7 @@ gpu: tests that need CUDA; skipped without it (`pytest -m gpu` runs exactly them
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +88,10 @@ TINY_MODEL = ("{hidden_size: 32, num_attention_heads: 2, num_layers: 1, rope_axe
 TINY_MAX_STEPS = 12
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class TinyTrainer:
     """Builds and runs train.py commands for one small, fully deterministic configuration.
 
@@ -140,13 +145,16 @@ class TinyTrainer:
     def start(self, output_dir: Path, *extra: str, config: str = "pretrain",
               log: Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
         """Start train.py in the background; stdout and stderr go to `log` (default:
-        <output_dir>.log, appended)."""
+        <output_dir>.log, appended). It starts with SIGINT's default action, as a command
+        typed at a terminal does, even when the tests themselves run in a background job
+        (which a non-interactive shell starts with SIGINT ignored, and children inherit)."""
         log = log or output_dir.with_name(output_dir.name + ".log")
         handle = open(log, "ab")
         try:
             return subprocess.Popen(self.command(output_dir, *extra, config=config),
                                     cwd=REPO_ROOT, env=env or self.env(), stdout=handle,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    preexec_fn=_default_sigint)
         finally:
             handle.close()
 
