@@ -99,6 +99,7 @@ def _sample_each_weights(stage, args, captions: list[str], latent_shape, steps: 
     """(weights name, sampled latents [captions, C, T, H, W]) for each validated set of
     weights; the model is in eval mode while sampling and back in its mode between yields."""
     from trainer.diffusion.sampling import sampler_for, sampling_shift
+    from trainer.stages.base import autocast_context
 
     model = stage.sampling_model()
     device = next(model.parameters()).device
@@ -109,7 +110,9 @@ def _sample_each_weights(stage, args, captions: list[str], latent_shape, steps: 
         was_training = model.training
         model.eval()
         try:
-            with context:
+            # the training step's compute dtype: a float32 sample of a real-size clip runs
+            # the attention at float32 (minutes at Wan2.1-1.3B's 32,760 tokens)
+            with context, autocast_context(device, args.dtype):
                 latents = sampler(model, text.to(device), mask.to(device), null_text.to(device),
                                   null_mask.to(device), shape=(len(captions), *latent_shape),
                                   steps=steps, guidance=guidance, shift=sampling_shift(args),
