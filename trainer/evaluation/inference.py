@@ -121,6 +121,7 @@ def generate(loaded: LoadedModel, prompts: list[str], *, steps: int | None,
     steps / guidance None: the stage's own settings (those its validation uses).
     """
     from trainer.diffusion.sampling import sampler_for, sampler_settings, sampling_shift
+    from trainer.stages.base import autocast_context
 
     default_steps, default_guidance = sampler_settings(loaded.args)
     steps = default_steps if steps is None else steps
@@ -133,10 +134,12 @@ def generate(loaded: LoadedModel, prompts: list[str], *, steps: int | None,
     generator = torch.Generator().manual_seed(seed)
     shape = (len(prompts), *loaded.latent_shape)
     sampler = sampler_for(loaded.args.get("stage", "fm"))
-    return sampler(loaded.model, text.to(device), mask.to(device), null_text.to(device),
-                   null_mask.to(device), shape=shape, steps=steps, guidance=guidance,
-                   shift=sampling_shift(loaded.args), generator=generator,
-                   first_frame=first_frame)
+    # the checkpoint's training compute dtype, as validation samples: bf16 on a GPU by default
+    with autocast_context(device, loaded.args.get("dtype", "auto")):
+        return sampler(loaded.model, text.to(device), mask.to(device), null_text.to(device),
+                       null_mask.to(device), shape=shape, steps=steps, guidance=guidance,
+                       shift=sampling_shift(loaded.args), generator=generator,
+                       first_frame=first_frame)
 
 
 def _load_first_frame(path: str, loaded: LoadedModel) -> torch.Tensor:
