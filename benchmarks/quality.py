@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python benchmarks/quality.py`: make the repository importable
     sys.path.insert(0, str(REPO))
 
-from benchmarks.flops import model_forward_flops  # noqa: E402
+from benchmarks.flops import stage_step_flops_of  # noqa: E402
 
 TEACHER_STEPS = (1, 2, 4, 8, 50)
 STUDENT_STEPS = (1, 2, 4)
@@ -47,39 +47,12 @@ ATTRIBUTES = ("colour", "shape", "direction", "speed", "count")
 # ---- plan: sizing by arithmetic ------------------------------------------------------------
 
 def stage_work(args) -> dict:
-    """Per step of a stage: forward-equivalent FLOPs per sample (in units of one bidirectional
-    forward over the clip) and forward passes (kernel launches scale with these, not tokens).
-
-    fm: forward + backward = 3. tf_anyflow: one forward with grad and 3 (+1 with guidance
-    fused) without, each over [clean | noisy] = twice the tokens. dmd_sgf: each critic update
-    rolls the student out (mean exit 1.5 of 4 steps: 2.5 steps + a commit per chunk, on the
-    chunk's share of the tokens) and trains the critic (3); every generator_update_interval-th
-    step the student also rolls out, replays its exit chunk with grad over twice the tokens
-    (3), and scores with the teacher's CFG pair (2) and the critic (1).
-    """
-    from trainer.models.registry import model_config
-
-    cfg = model_config(args)
-    pt, ph, pw = cfg["patch_size"]
-    tokens = (args.synthetic_num_frames // pt) * (args.synthetic_height // ph) * (
-        args.synthetic_width // pw)
-    one = model_forward_flops("dit", cfg, tokens, args.text_max_tokens)
-    double = model_forward_flops("dit", cfg, 2 * tokens, args.text_max_tokens)
-    if args.stage == "fm":
-        flops, passes = 3 * one, 3
-    elif args.stage == "tf_anyflow":
-        no_grad = 3 + (args.anyflow_fuse_guidance_scale != 1.0)
-        flops, passes = (3 + no_grad) * double, 3 + no_grad
-    else:
-        chunks = args.synthetic_num_frames // (cfg["causal_chunk_size"] * pt)
-        steps = len(args.dmd_denoising_steps)
-        rollout_steps = (steps - 1) / 2 + 1 + 1  # mean exit + the exit step + the commit
-        rollout = rollout_steps * one
-        student = (rollout + 3 * double + 2 * one + one) / args.generator_update_interval
-        flops = rollout + 3 * one + student
-        passes = rollout_steps * chunks + 3 + (rollout_steps * chunks + 6) / args.generator_update_interval
-    return {"video_tokens": tokens, "forward_flops": one, "flops_per_sample": flops,
-            "passes": passes}
+    """Per step of a stage, per sample: video tokens, counted FLOPs of one forward over the
+    clip, counted FLOPs and forward passes of a step (kernel launches scale with passes, not
+    tokens), Stage2's averaged over its outer steps: benchmarks.flops.stage_step_flops."""
+    work = stage_step_flops_of(args)
+    return {"video_tokens": work["video_tokens"], "forward_flops": work["forward_flops"],
+            "flops_per_sample": work["flops_per_sample"], "passes": work["passes"]}
 
 
 def plan(pipeline_path: str, tflops: float, pass_floor_s: float) -> dict:
@@ -128,13 +101,15 @@ def toy_pipeline(root: Path) -> Path:
     import yaml
 
     model = {"in_channels": 3, "hidden_size": 32, "num_attention_heads": 2, "num_layers": 2,
-             "patch_size": [1, 4, 4], "rope_axes_dim": [4, 4, 8], "text_dim": 32,
+             "patch_size": [2, 4, 4], "rope_axes_dim": [4, 4, 8], "text_dim": 32,
              "qk_norm": True}
     causal = {**model, "causal_chunk_size": 4}
     small = {"synthetic_num_samples": 32, "synthetic_num_frames": 8, "synthetic_height": 16,
              "synthetic_width": 16, "train_batch_size": 4, "max_steps": 2, "save_interval": 2,
              "warmup_steps": 0, "log_interval": 1, "validation_interval": -1,
-             "data_path": "${root}/data/sft"}
+             "data_path": "${root}/data/sft",
+             # compiling and worker processes pay off on a GPU, not for two CPU steps
+             "compile_transformer": False, "packed_dataloader_num_workers": 0}
     overrides = {
         "pretrain": {"transformer_config_overrides": model, "data_path": "${root}/data/pretrain"},
         "sft": {"transformer_config_overrides": model,
@@ -262,6 +237,8 @@ def run(ns: argparse.Namespace) -> dict:
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
     for stage, steps_list in ROWS:
+        if stage not in ns.stages:
+            continue
         rows += evaluate_stage(root / stage, steps_list, captions=ns.captions, seed=ns.seed,
                                device=device)
     out = Path(ns.out) if ns.out else root / "quality"
@@ -291,10 +268,17 @@ def main(argv=None) -> int:
     p.add_argument("--train", action="store_true", help="train the pipeline into ROOT first")
     p.add_argument("--toy", action="store_true", help="a CPU-sized pipeline (smoke test)")
     p.add_argument("--captions", type=int, default=64, help="evaluation captions (at most 64)")
+    p.add_argument("--stages", type=lambda text: text.split(","), default=[s for s, _ in ROWS],
+                   help="comma-separated stages to evaluate (default sft,stage1,stage2): the "
+                        "teacher can be scored before the students are trained")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--out", default=None, help="default: ROOT/quality")
     ns = parser.parse_args(argv)
+    unknown = sorted(set(getattr(ns, "stages", [])) - {s for s, _ in ROWS})
+    if unknown:
+        parser.error(f"--stages: no stage {', '.join(unknown)} (the stages are "
+                     f"{', '.join(s for s, _ in ROWS)})")
     if ns.command == "plan":
         print(plan_markdown(plan(ns.pipeline, ns.tflops, ns.pass_floor_ms / 1e3)), end="")
     else:

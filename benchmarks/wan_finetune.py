@@ -24,8 +24,9 @@ What it does, as a user's run would:
 run, Stage1's after Stage2's first run): at 1.3B a checkpoint with its optimizer state holds
 about 21 GB (SFT, Stage1) or 42 GB (Stage2: student, EMA, critic, teacher, two optimizers).
 The report: per run its wall time, median step time after warm-up (Stage2's critic-only and
-student steps apart), peak memory, first and last loss, checkpoints, validation clips and what
-it resumed from. The synthetic data are noise, so the loss says nothing about quality; the run
+student steps apart), the counted TFLOP of a step (benchmarks/flops.py: stage_step_flops; Stage2's
+critic-only and student steps apart) and the TFLOP/s the median step time achieves, peak memory,
+first and last loss, checkpoints, validation clips and what it resumed from. The synthetic data are noise, so the loss says nothing about quality; the run
 shows the path works at size.
 """
 
@@ -188,6 +189,31 @@ def summarise(run: Path, first_step: int, last_step: int, warmup: int) -> dict:
     return summary
 
 
+def counted_work(argv: list[str], summary: dict) -> dict:
+    """The counted TFLOP of a step of the run train.py's `argv` makes (its samples on this one
+    GPU) and the TFLOP/s its median step time achieves; Stage2's critic-only and student
+    steps apart."""
+    from benchmarks.flops import stage_step_flops_of
+    from trainer.config.args import resolve_config
+
+    argv = list(argv[1:])  # past trainer/train.py (the report's argv)
+    at = argv.index("--config")
+    config, rest = argv[at + 1], argv[:at] + argv[at + 2:]
+    args = resolve_config(str(ROOT / config), rest, check_paths=False)
+    work = stage_step_flops_of(args)
+    samples = args.train_batch_size * args.gradient_accumulation_steps
+    out = {}
+    names = ({"critic": "median_critic_step_s", "student": "median_student_step_s"}
+             if args.stage == "dmd_sgf" else {"step": "median_step_s"})
+    for step, timed in names.items():
+        prefix = "" if step == "step" else f"{step}_"
+        tflop = work["steps"][step]["flops"] * samples / 1e12
+        out[f"{prefix}step_tflop"] = tflop
+        seconds = summary.get(timed)
+        out[f"{prefix}achieved_tflops"] = tflop / seconds if seconds else None
+    return out
+
+
 def prune(run: Path) -> None:
     """Delete a finished stage's checkpoints (its metrics, logs and clips stay)."""
     for checkpoint in run.glob("checkpoint-*"):
@@ -250,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         report[name] = train(stage_argv(args, args.root, stage, max_steps), log)
         if report[name]["returncode"] == 0:
             report[name].update(summarise(args.root / stage, first, max_steps, warmup=5))
+            report[name].update(counted_work(report[name]["argv"], report[name]))
             report[name]["resumed_from"] = next(
                 (line.split("resumed from ", 1)[1] for line in log.read_text().splitlines()
                  if "resumed from " in line), None)
