@@ -5,8 +5,10 @@
 
 `plan` sizes the pipeline by arithmetic (no GPU, no torch): per stage the video tokens, the
 forward passes and counted FLOPs of one step (benchmarks/flops.py), and the step time they
-imply at an assumed throughput and a per-pass floor, then the minutes of each stage and in
-all. The assumptions are options, printed with the table.
+imply at a throughput and a per-pass floor, plus each stage's start-up, data generation and
+validations, then the minutes of each stage and in all with the evaluation. The constants
+were measured on one H200 (see TFLOPS and STAGE_START_S below); the two step constants are
+options, printed with the table.
 
 `run` evaluates the trained stages of a pipeline root (with --train it first trains them with
 `relay run PIPELINE --root ROOT`) on the benchmark's fixed captions with the pixel checker of
@@ -55,14 +57,42 @@ def stage_work(args) -> dict:
             "flops_per_sample": work["flops_per_sample"], "passes": work["passes"]}
 
 
-def plan(pipeline_path: str, tflops: float, pass_floor_s: float) -> dict:
-    """Minutes of every stage of a pipeline at `tflops` TFLOP/s achieved, a step taking at
-    least `pass_floor_s` per forward pass per layer. Torch-free."""
+# Measured on one H200 (torch 2.11, FA4; the bench configs: compiled blocks, four data-loader
+# workers, patch 2x4x4) and used as the plan's defaults: FM steps reach ~50 TFLOP/s of counted
+# work (0.087 s a step at batch 64), Stage1 the same (0.195 s at batch 32), and Stage2's many
+# small rollout passes cost ~1.3 ms each per layer (0.27 s an outer step at batch 16).
+TFLOPS = 50.0
+PASS_FLOOR_S = 1.3e-3
+# What a stage costs besides its steps, measured on the same machine: start-up (process start,
+# model build, compiling the blocks; Stage2 compiles three roles and the chunked attention) with
+# the final checkpoint; generating a synthetic clip on the host; one validation during training;
+# and the evaluation of all three rows on 64 captions.
+STAGE_START_S = {"fm": 40.0, "tf_anyflow": 85.0, "dmd_sgf": 105.0}
+DATA_S_PER_CLIP = 2.7e-3
+VALIDATION_S = 3.0
+EVALUATION_S = 40.0
+
+
+def _validations(args) -> int:
+    """Validations a run of max_steps makes (trainer.evaluation.validation.validation_due)."""
+    if args.validation_interval < 0:
+        return 0
+    if args.validation_interval == 0:
+        return 1
+    periodic = args.max_steps // args.validation_interval
+    return periodic + (args.max_steps % args.validation_interval != 0)
+
+
+def plan(pipeline_path: str, tflops: float = TFLOPS, pass_floor_s: float = PASS_FLOOR_S) -> dict:
+    """Minutes of every stage of a pipeline: its steps at `tflops` TFLOP/s achieved, a step taking
+    at least `pass_floor_s` per forward pass per layer, plus its start-up, the synthetic data it
+    generates first (a data_path no earlier stage wrote), its validations, and in all the
+    evaluation. Torch-free."""
     from launcher.pipeline import load_pipeline_yaml
     from trainer.config.args import resolve_config
 
     spec = load_pipeline_yaml(pipeline_path)
-    stages, total = [], 0.0
+    stages, total, generated = [], EVALUATION_S / 60, set()
     for name, stage in spec["stages"].items():
         overrides = {k: v for k, v in (stage.get("overrides") or {}).items()}
         args = resolve_config(str(REPO / stage["config"]), overrides, check_paths=False)
@@ -71,26 +101,36 @@ def plan(pipeline_path: str, tflops: float, pass_floor_s: float) -> dict:
         step_flops = work["flops_per_sample"] * batch
         layers = args.transformer_config_overrides["num_layers"]
         step_s = max(step_flops / (tflops * 1e12), work["passes"] * layers * pass_floor_s)
-        minutes = step_s * args.max_steps / 60
+        clips = 0
+        if args.synthetic_data and args.data_path not in generated:
+            generated.add(args.data_path)
+            clips = args.synthetic_num_samples
+        other_s = (STAGE_START_S[args.stage] + clips * DATA_S_PER_CLIP
+                   + _validations(args) * VALIDATION_S)
+        minutes = (step_s * args.max_steps + other_s) / 60
         total += minutes
         stages.append({"stage": name, "objective": args.stage, "max_steps": args.max_steps,
                        "batch": batch, **work, "step_tflop": step_flops / 1e12,
-                       "step_s": step_s, "minutes": minutes})
+                       "step_s": step_s, "validations": _validations(args),
+                       "other_s": other_s, "minutes": minutes})
     return {"pipeline": pipeline_path, "tflops": tflops, "pass_floor_s": pass_floor_s,
-            "stages": stages, "total_minutes": total}
+            "stages": stages, "evaluation_s": EVALUATION_S, "total_minutes": total}
 
 
 def plan_markdown(found: dict) -> str:
     lines = [f"Plan of {found['pipeline']}: {found['tflops']:g} TFLOP/s achieved, at least "
              f"{found['pass_floor_s'] * 1e3:g} ms per forward pass per layer.", "",
              "| stage | objective | steps | batch | video tokens | fwd GFLOP/clip | passes/step "
-             "| TFLOP/step | s/step | minutes |", "| --- | --- | --- | --- | --- | --- | --- | --- "
-             "| --- | --- |"]
+             "| TFLOP/step | s/step | start, data, validation (s) | minutes |",
+             "|" + " --- |" * 11]
     for s in found["stages"]:
         lines.append(f"| {s['stage']} | {s['objective']} | {s['max_steps']} | {s['batch']} | "
                      f"{s['video_tokens']} | {s['forward_flops'] / 1e9:.1f} | {s['passes']:.1f} | "
-                     f"{s['step_tflop']:.2f} | {s['step_s']:.3f} | {s['minutes']:.1f} |")
-    lines.append(f"| all | | | | | | | | | {found['total_minutes']:.1f} |")
+                     f"{s['step_tflop']:.2f} | {s['step_s']:.3f} | {s['other_s']:.0f} | "
+                     f"{s['minutes']:.1f} |")
+    lines.append(f"| evaluation | | | | | | | | | {found['evaluation_s']:.0f} | "
+                 f"{found['evaluation_s'] / 60:.1f} |")
+    lines.append(f"| all | | | | | | | | | | {found['total_minutes']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -258,9 +298,10 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="size the pipeline by arithmetic (no GPU)")
     p.add_argument("--pipeline", default="config/pipeline/bench.yaml")
-    p.add_argument("--tflops", type=float, default=150.0,
-                   help="TFLOP/s a step achieves (bf16 on an H200; Wan-1.3B reaches ~505)")
-    p.add_argument("--pass-floor-ms", type=float, default=2.5,
+    p.add_argument("--tflops", type=float, default=TFLOPS,
+                   help="TFLOP/s a step achieves (the bench model on an H200: ~50; "
+                        "Wan-1.3B reaches ~400)")
+    p.add_argument("--pass-floor-ms", type=float, default=PASS_FLOOR_S * 1e3,
                    help="least time of one forward pass of one layer (launch-bound small models)")
     p = sub.add_parser("run", help="evaluate (and with --train first train) a pipeline root")
     p.add_argument("--root", required=True, help="the pipeline root holding sft/, stage1/, stage2/")

@@ -15,11 +15,17 @@ sys.path.insert(0, str(REPO))
 from benchmarks import quality  # noqa: E402
 
 
-def test_bench_pipeline_is_planned_at_about_half_an_hour_on_one_gpu():
-    found = quality.plan(str(REPO / "config/pipeline/bench.yaml"), 150.0, 2.5e-3)
+def test_bench_pipeline_is_planned_within_twenty_minutes_on_one_gpu():
+    found = quality.plan(str(REPO / "config/pipeline/bench.yaml"))
     stages = {s["stage"]: s for s in found["stages"]}
     assert list(stages) == ["pretrain", "sft", "stage1", "stage2"]
-    assert 15 <= found["total_minutes"] <= 32, found["total_minutes"]
+    assert found["total_minutes"] <= 20, found["total_minutes"]
+    # Generating a synthetic set is paid by the first stage that reads it: SFT's set, not
+    # Stage1 and Stage2, which read the same data_path.
+    data_s = {name: s["other_s"] - quality.STAGE_START_S[s["objective"]]
+              - s["validations"] * quality.VALIDATION_S for name, s in stages.items()}
+    assert data_s["pretrain"] > 0 and data_s["sft"] > 0
+    assert data_s["stage1"] == data_s["stage2"] == 0
     pretrain = stages["pretrain"]
     assert pretrain["video_tokens"] == 8 * 8 * 8  # 16 frames of 32x32 in 2x4x4 patches
     # An FM step is forward + backward over the batch: 3 forwards a clip.
@@ -36,7 +42,7 @@ def test_plan_prints_a_table_with_every_stage():
     assert proc.returncode == 0, proc.stderr
     assert [line.split("|")[1].strip() for line in proc.stdout.splitlines()
             if line.startswith("| ") and "---" not in line][1:] == [
-        "pretrain", "sft", "stage1", "stage2", "all"]
+        "pretrain", "sft", "stage1", "stage2", "evaluation", "all"]
 
 
 @pytest.mark.timeout(900)
