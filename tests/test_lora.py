@@ -434,7 +434,13 @@ def test_the_memory_estimate_counts_a_frozen_base_and_the_adapters():
     full = estimate_memory(family, config, **common)
     lora = estimate_memory(family, config, lora=True, lora_params=adapters, **common)
     p = family.param_counts(config).total
-    want = (4 * p + (4 + 4 + 8 + 4) * adapters) / 8 / 2**30
+    # the frozen base's parameters, the adapters' parameters, AdamW moments and EMA; their
+    # gradients apart, in the max() with the activations as a full role's are
+    want = (4 * p + (4 + 8 + 4) * adapters) / 8 / 2**30
     assert lora.states_gib == pytest.approx(want)
-    assert lora.states_gib < full.states_gib / 4
-    assert "LoRA adapters" in lora.describe()
+    assert lora.gradients_gib == pytest.approx(4 * adapters / 8 / 2**30)
+    assert full.gradients_gib == pytest.approx(4 * p / 8 / 2**30)
+    assert lora.states_gib < full.states_gib / 3
+    assert lora.total_gib == pytest.approx(lora.states_gib + lora.overhead_gib + lora.working_gib
+                                           + max(lora.activations_gib, lora.gradients_gib))
+    assert "LoRA adapters" in lora.describe() and "their gradients" in lora.describe()

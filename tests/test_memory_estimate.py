@@ -208,4 +208,69 @@ def test_the_wan_estimate_is_within_ten_percent_of_the_peak_measured_at_wan_1_3b
                                use_ema=False, shard_group=1, cp=1, batch_per_rank=1,
                                video_tokens=32760, text_tokens=512, checkpointing=False)
     assert abs(estimate.total_gib - peak) / peak < 0.10, estimate.describe()
-    assert "33 B x 30 blocks" in estimate.describe()
+    assert "36.5 B x 30 blocks" in estimate.describe()
+    assert "max(activations 52.12, gradients 5.29) = 52.12 GiB (activations" in estimate.describe()
+
+
+# Wan2.1-1.3B's transformer (the family's defaults) as Stage1 and Stage2 configure it.
+_STAGE1 = {"causal_chunk_size": 3, "two_time": True, "time_gate": 0.25}  # config/wan/t2v-1.3b-stage1.yaml
+_STAGE2 = {"causal_chunk_size": 3, "two_time": False}  # config/wan/t2v-1.3b-stage2.yaml
+_H5120 = {"num_attention_heads": 40, "attention_head_dim": 128, "ffn_dim": 13824,
+          "num_layers": 8}  # benchmarks/step.py --size h5120-8k
+
+
+@pytest.mark.parametrize("overrides, settings, measured", [
+    # benchmarks/step.py --size wan-1.3b, relay-wan (docs/performance.md;
+    # benchmarks/results/step-wan1.3b-wan-family-h200.json): AdamW, no EMA, no checkpointing
+    ({}, dict(stage="fm", use_ema=False, checkpointing=False, video_tokens=32760), 67.7),
+    # benchmarks/step.py --size h5120-8k, relay-wan (docs/performance.md;
+    # benchmarks/results/step-wan-h5120-8k-h200.json): 8,190 video tokens, same settings
+    (_H5120, dict(stage="fm", use_ema=False, checkpointing=False, video_tokens=8190), 46.2),
+    # train.py SFT, config/wan/t2v-1.3b-sft.yaml: checkpointing, EMA, AdamW, accumulation 1
+    # (docs/wan.md; benchmarks/results/wan-chain-1.3b-h200/sft-report.json)
+    ({}, dict(stage="fm", use_ema=True, checkpointing=True, video_tokens=32760), 29.4),
+    # train.py Stage1, config/wan/t2v-1.3b-stage1.yaml: clean + noisy video (docs/wan.md;
+    # benchmarks/results/wan-chain-1.3b-h200/distill-report.json, stage1-metrics.jsonl)
+    (_STAGE1, dict(stage="tf_anyflow", use_ema=True, checkpointing=True, video_tokens=32760),
+     32.9),
+    # train.py Stage2, config/wan/t2v-1.3b-stage2.yaml: student with EMA, critic, frozen
+    # teacher (docs/wan.md; benchmarks/results/wan-chain-1.3b-h200/stage2-metrics.jsonl)
+    (_STAGE2, dict(stage="dmd_sgf", use_ema=True, checkpointing=True, video_tokens=32760),
+     58.5),
+], ids=["step-1.3b", "step-h5120", "sft", "stage1", "stage2"])
+def test_the_wan_estimate_is_within_ten_percent_of_each_measured_peak(overrides, settings,
+                                                                     measured):
+    family = get_family("wan")
+    estimate = estimate_memory(family, family.config(overrides), use_muon=False, shard_group=1,
+                               cp=1, batch_per_rank=1, text_tokens=512, **settings)
+    assert abs(estimate.total_gib - measured) / measured < 0.10, estimate.describe()
+
+
+def test_gradient_accumulation_adds_the_gradients_to_the_activations():
+    family = get_family("wan")
+    common = dict(stage="fm", use_muon=False, use_ema=True, shard_group=8, cp=1,
+                  batch_per_rank=1, video_tokens=32760, text_tokens=512, checkpointing=True)
+    one = estimate_memory(family, family.config({}), **common)
+    four = estimate_memory(family, family.config({}), gradient_accumulation_steps=4, **common)
+    p = family.param_counts(family.config({})).total
+    assert one.gradients_gib == four.gradients_gib == pytest.approx(4 * p / 8 / 2**30)
+    assert one.states_gib == pytest.approx(16 * p / 8 / 2**30)  # params, AdamW, EMA: no grads
+    rest = one.states_gib + one.working_gib + one.overhead_gib
+    assert one.total_gib == pytest.approx(rest + max(one.activations_gib, one.gradients_gib))
+    assert four.total_gib == pytest.approx(rest + one.activations_gib + one.gradients_gib)
+    assert "gradient_accumulation_steps 4" in four.describe()
+    assert "max(activations" in one.describe()
+    # the room left to the activations: under accumulation the gradients take theirs first
+    assert four.activation_room_gib(80) == pytest.approx(80 - rest - four.gradients_gib)
+    assert one.activation_room_gib(80) == pytest.approx(80 - rest)
+    assert one.activation_room_gib(rest + one.gradients_gib / 2) == 0.0
+
+
+def test_describe_plan_passes_gradient_accumulation_to_the_estimate():
+    plain = describe_plan(resolve_config(PRODUCTION, {}, world_size=1920, check_paths=False),
+                          1920, 8)
+    accumulated = describe_plan(resolve_config(
+        PRODUCTION, {"gradient_accumulation_steps": 2, "global_batch_size": 3840},
+        world_size=1920, check_paths=False), 1920, 8)
+    assert "max(activations" in plain
+    assert "gradient_accumulation_steps 2: the gradients live" in accumulated

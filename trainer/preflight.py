@@ -481,7 +481,8 @@ def describe_plan(args: ResolvedArgs, world_size: int, ranks_per_node: int | Non
         video_tokens=video or 0, text_tokens=args.text_max_tokens,
         checkpointing=args.enable_gradient_checkpointing,
         selective=args.use_dedicated_gradient_checkpointing, pack_budget=budget,
-        lora=lora_enabled(args), lora_params=adapter_params(args))
+        lora=lora_enabled(args), lora_params=adapter_params(args),
+        gradient_accumulation_steps=accum)
     if budget is None:
         batch = (f"global batch: train_batch_size {args.train_batch_size} x gradient accumulation "
                  f"{accum} x dp {mesh.dp_world} = {args.train_batch_size * accum * mesh.dp_world} "
@@ -509,12 +510,14 @@ def describe_plan(args: ResolvedArgs, world_size: int, ranks_per_node: int | Non
 
 def _budget_that_fits(args: ResolvedArgs, estimate, budget: int) -> str:
     """The advice on packing_token_budget when a pack does not fit: activations grow in
-    proportion to the budget, so the room left after everything else scales it down."""
-    room = args.gpu_memory_gib - (estimate.total_gib - estimate.activations_gib)
+    proportion to the budget, so the room the activations may take (everything else, and the
+    gradients they share the peak with, counted: MemoryEstimate.activation_room_gib) scales it
+    down."""
+    room = estimate.activation_room_gib(args.gpu_memory_gib)
     largest = int(budget * room / estimate.activations_gib) if room > 0 else 0
     if largest < 1:
-        return ("lower packing_token_budget (though no budget fits: the states, working set "
-                "and overhead alone exceed gpu_memory_gib)")
+        return ("lower packing_token_budget (though no budget fits: the states, gradients, "
+                "working set and overhead alone exceed gpu_memory_gib)")
     return f"lower packing_token_budget to at most ~{largest} (the activations scale with it)"
 
 

@@ -115,6 +115,10 @@ class ModelFamily(ABC):
     # activation checkpointing, as measured on a GPU (trainer.parallel.memory_estimate); None
     # takes the estimate's conservative default.
     activation_bytes: ClassVar[float | None] = None
+    # Bytes a block keeps per token x hidden_size under full activation checkpointing (its
+    # input, for the recompute), as measured on a GPU; None takes the estimate's default
+    # (trainer.parallel.memory_estimate.CKPT_BYTES).
+    checkpoint_bytes: ClassVar[float | None] = None
 
     # -- config -----------------------------------------------------------------------------
     @abstractmethod
