@@ -267,10 +267,21 @@ def test_gradient_accumulation_adds_the_gradients_to_the_activations():
 
 
 def test_describe_plan_passes_gradient_accumulation_to_the_estimate():
-    plain = describe_plan(resolve_config(PRODUCTION, {}, world_size=1920, check_paths=False),
-                          1920, 8)
+    # The wan family measured that its peak holds the larger of activations and gradients;
+    # under accumulation the gradients live across forwards and are added.
+    wan = str(REPO / "config/wan/t2v-14b-sft.yaml")
+    quiet = {"validation_interval": -1}
+    plain = describe_plan(resolve_config(wan, quiet, world_size=256, check_paths=False), 256, 8)
     accumulated = describe_plan(resolve_config(
-        PRODUCTION, {"gradient_accumulation_steps": 2, "global_batch_size": 3840},
-        world_size=1920, check_paths=False), 1920, 8)
+        wan, {**quiet, "gradient_accumulation_steps": 2, "global_batch_size": 256},
+        world_size=256, check_paths=False), 256, 8)
     assert "max(activations" in plain
     assert "gradient_accumulation_steps 2: the gradients live" in accumulated
+
+
+def test_a_family_that_did_not_measure_the_overlap_adds_gradients_to_activations():
+    # relay's dit family keeps the additive peak its constants were calibrated with.
+    plan = describe_plan(resolve_config(PRODUCTION, {}, world_size=1920, check_paths=False),
+                         1920, 8)
+    assert "max(activations" not in plan
+    assert "activations + gradients" in plan

@@ -119,6 +119,10 @@ class ModelFamily(ABC):
     # input, for the recompute), as measured on a GPU; None takes the estimate's default
     # (trainer.parallel.memory_estimate.CKPT_BYTES).
     checkpoint_bytes: ClassVar[float | None] = None
+    # Whether the step's peak was measured to hold the larger of the activations and the
+    # gradients rather than both (backward fills the gradients as it frees the activations).
+    # False, the safe default, adds them.
+    gradients_overlap_activations: ClassVar[bool] = False
 
     # -- config -----------------------------------------------------------------------------
     @abstractmethod

@@ -7,7 +7,9 @@ peak = states without gradients + max(activations, gradients of the largest trai
        + FSDP2 working set + overhead (2 GiB)
 
 with the gradients added to the activations instead (not the max) when
-gradient_accumulation_steps > 1. Backward fills the gradients as it frees the activations
+gradient_accumulation_steps > 1, or when the model family has not measured the overlap
+(`ModelFamily.gradients_overlap_activations`: the wan family has, the dit family has not).
+Backward fills the gradients as it frees the activations
 (relay zeroes them with set_to_none): at the end of the forward they do not exist yet, at
 the optimizer step the activations are gone; under accumulation they live across forwards.
 
@@ -54,16 +56,12 @@ docs/performance.md; benchmarks/results/step-wan*.json and wan-chain-1.3b-h200/)
 The estimate before this model (every gradient added to the activations, 33 / 4 bytes) said
 70.3, 58.3, 35.7, 42.9 and 69.3 GiB for the five (+4 % to +30 %).
 
-The default constants (ACT_BYTES 39, CKPT_BYTES 4) are those of relay's dit family,
-calibrated under the older model (states with gradients, + activations) on benchmarks/step.py
-runs: hidden 1536 x 30 (33,272 tokens) peaked at 67.3 GiB without checkpointing, 26.0 with
-full and 26.8 with selective checkpointing; hidden 3072 x 8 (16,892) at 39.4 and hidden
-5120 x 8 (8,702) at 60.0. Under the max() the estimate now says 75.0 (+11 %), 26.9 (+3 %),
-29.8 (+11 %), 34.0 (-14 %) and 52.5 (-12 %) there. The two width runs are older than the wan
-ones and disagree with them: in the 5120 run diffusers' Wan peaked at 54.8 GiB, in the later
-wan-family run 46.0 at the same shape, so they are not used to raise ACT_BYTES (no single
-constant fits them and the 1.3B peaks under the max()); re-measure them before trusting the
-dit estimate without checkpointing at those widths.
+The default constants (ACT_BYTES 39, CKPT_BYTES 4) and the additive peak are those of relay's
+dit family, calibrated on benchmarks/step.py runs: hidden 1536 x 30 (33,272 tokens) peaked at
+67.3 GiB without checkpointing, 26.0 with full and 26.8 with selective checkpointing; hidden
+3072 x 8 (16,892) at 39.4 and hidden 5120 x 8 (8,702) at 60.0. The additive estimate errs high
+at 1.3B with checkpointing (~32 against 26.0); under the max() it would err low on the two width
+runs (-14 %, -12 %), so the dit family keeps the sum until those peaks are re-measured.
 Re-check the constants when the model's forward, the optimizer step or the compile settings
 change.
 """
@@ -217,12 +215,15 @@ def estimate_memory(family, cfg: dict, *, stage: str, use_muon: bool, use_ema: b
         how = f"{act_bytes:g} B x {layers} blocks"
     lines.append(f"  activations: {tokens} tokens per rank ({shape}) x hidden {h} x {how} = "
                  f"{acts:.2f} GiB ({_checkpointing_name(checkpointing, selective)})")
-    accumulating = gradient_accumulation_steps > 1
+    overlap = getattr(family, "gradients_overlap_activations", False)
+    accumulating = gradient_accumulation_steps > 1 or not overlap
     lines.append(f"  gradients ({grads_of}, the largest trained role): {grads:.2f} GiB")
     if accumulating:
+        why = (f"gradient_accumulation_steps {gradient_accumulation_steps}: the gradients live "
+               f"across the micro-batches' forwards" if overlap else
+               "the family's peaks were calibrated with both held")
         lines.append(f"  activations + gradients = {acts:.2f} + {grads:.2f} = {acts + grads:.2f} "
-                     f"GiB (gradient_accumulation_steps {gradient_accumulation_steps}: the "
-                     f"gradients live across the micro-batches' forwards)")
+                     f"GiB ({why})")
     else:
         won = "activations" if acts >= grads else "gradients"
         lines.append(f"  max(activations {acts:.2f}, gradients {grads:.2f}) = "

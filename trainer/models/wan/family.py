@@ -41,6 +41,7 @@ class WanFamily(ModelFamily):
     # train.py's SFT, Stage1 and Stage2 at 1.3B with checkpointing (trainer.parallel.memory_estimate).
     activation_bytes = 36.5
     checkpoint_bytes = 3.0
+    gradients_overlap_activations = True
 
     def defaults(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, list) else v) for k, v in WAN_DEFAULTS.items()}
