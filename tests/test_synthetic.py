@@ -161,3 +161,17 @@ def test_ensure_dataset_does_not_publish_a_failed_generation(tmp_path, monkeypat
     with pytest.raises(RuntimeError, match="killed"):
         ensure_dataset(out, 3, seed=0)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_worker_processes_write_the_same_dataset_as_one_process(tmp_path):
+    # Large sets are written by several processes (one per spare core); the bytes must not
+    # depend on it, or a cache written on one machine would not be the one another expects.
+    kwargs = dict(seed=3, num_frames=4, height=16, width=16, samples_per_shard=8,
+                  generator="bench")
+    one = generate_dataset(tmp_path / "one", 24, workers=1, **kwargs)
+    two = generate_dataset(tmp_path / "two", 24, workers=2, **kwargs)
+    names = sorted(p.name for p in one.iterdir())
+    assert names == sorted(p.name for p in two.iterdir())
+    assert len([n for n in names if n.endswith(".parquet")]) == 3
+    for name in names:
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name

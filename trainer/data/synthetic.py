@@ -245,6 +245,7 @@ def generate_dataset(
     text_encoder_seed: int = 0,
     fps: float = DEFAULT_FPS,
     generator: str = "shapes",
+    workers: int | None = None,
 ) -> Path:
     """Write `num_samples` clips as parquet shards `shard-00000.parquet`, ... plus `dataset.json`.
 
@@ -254,6 +255,9 @@ def generate_dataset(
     in the manifest, so sampling can rebuild the same encoder. The manifest is written last and
     marks the directory complete. Returns out_dir as a Path. generator: "shapes" (the default
     moving-shapes clips) or "bench" (trainer.data.synthetic_bench's scenes, positional captions).
+
+    workers: processes writing shards at once (None: one per spare core for a set large enough
+    to pay for starting them; the bytes written do not depend on it).
 
     Raises FileExistsError if out_dir already holds files (old shards would mix into the new
     data: use ensure_dataset to rebuild a cache), ValueError for non-positive counts.
@@ -268,23 +272,50 @@ def generate_dataset(
         raise ValueError(f"unknown synthetic generator {generator!r}; known: {', '.join(GENERATORS)}")
     params = _dataset_params(num_samples, seed, num_frames, height, width, samples_per_shard,
                              text_dim, max_text_tokens, text_encoder_seed, fps, generator)
-    encoder = _text_encoder(text_dim, max_text_tokens, text_encoder_seed, generator)
-    make_row, schema = (_make_bench_row, BENCH_SCHEMA) if generator == "bench" else \
-        (_make_row, DATASET_SCHEMA)
+    firsts = list(range(0, num_samples, samples_per_shard))
+    jobs = [(out, index, range(first, min(first + samples_per_shard, num_samples)), seed,
+             num_frames, height, width, text_dim, max_text_tokens, text_encoder_seed, fps,
+             generator) for index, first in enumerate(firsts)]
+    workers = _generation_workers(num_samples, len(jobs)) if workers is None else workers
+    if workers > 1 and len(jobs) > 1:
+        # Each shard depends only on (seed, its indices): worker processes write the same bytes.
+        import concurrent.futures
+        import multiprocessing
 
-    shard_names = []
-    for shard_index, first in enumerate(range(0, num_samples, samples_per_shard)):
-        indices = range(first, min(first + samples_per_shard, num_samples))
-        rows = [make_row(seed, i, encoder, num_frames, height, width, fps) for i in indices]
-        table = pa.Table.from_pylist(rows, schema=schema)
-        name = f"shard-{shard_index:05d}.parquet"
-        pq.write_table(table, out / name)
-        shard_names.append(name)
+        # spawn, not fork: the caller may hold CUDA and OpenMP threads that a fork would copy
+        with concurrent.futures.ProcessPoolExecutor(
+                min(workers, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            shard_names = list(pool.map(_write_shard, jobs))
+    else:
+        shard_names = [_write_shard(job) for job in jobs]
 
     manifest = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "params": params,
                 "shards": shard_names}
     (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return out
+
+
+# Below this many clips a worker's start (importing torch) costs more than the clips take.
+PARALLEL_MIN_SAMPLES = 4096
+
+
+def _generation_workers(num_samples: int, shards: int) -> int:
+    if num_samples < PARALLEL_MIN_SAMPLES:
+        return 1
+    return max(1, min(shards, (os.cpu_count() or 1) - 1, 8))
+
+
+def _write_shard(job) -> str:
+    """Write one shard (a job of generate_dataset); returns its file name."""
+    (out, index, indices, seed, num_frames, height, width, text_dim, max_text_tokens,
+     text_encoder_seed, fps, generator) = job
+    encoder = _text_encoder(text_dim, max_text_tokens, text_encoder_seed, generator)
+    make_row, schema = (_make_bench_row, BENCH_SCHEMA) if generator == "bench" else \
+        (_make_row, DATASET_SCHEMA)
+    rows = [make_row(seed, i, encoder, num_frames, height, width, fps) for i in indices]
+    name = f"shard-{index:05d}.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), Path(out) / name)
+    return name
 
 
 def _make_row(seed, index, encoder, num_frames, height, width, fps) -> dict:
