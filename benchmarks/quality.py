@@ -68,7 +68,7 @@ PASS_FLOOR_S = 1.3e-3
 # the final checkpoint; generating a synthetic clip on the host; one validation during training;
 # and the evaluation of all three rows on 64 captions.
 STAGE_START_S = {"fm": 40.0, "tf_anyflow": 85.0, "dmd_sgf": 105.0}
-DATA_S_PER_CLIP = 2.7e-3  # in one process; sets from 4,096 clips use spare cores, so this errs high
+DATA_S_PER_CLIP = 2.7e-3  # one process; sets of 4,096+ clips use spare cores: errs high
 VALIDATION_S = 3.0
 EVALUATION_S = 40.0
 
