@@ -7,9 +7,11 @@ Everything after `--` is train.py's command line (the config and its overrides).
 built as train.py builds it (data, model, optimizer, compile settings; random weights, no
 checkpoint is read or written), then it runs `--warmup` steps (compilation, the data loader's
 first batches), `--steps` timed steps (wall clock between device synchronisations: median and
-minimum), and `--profile-steps` steps under torch.profiler. Writes DIR/report.json (step
-times, kernel time per step, the share of the step the GPU was busy, peak memory) and the
-profiler's tables by host time (DIR/host.txt) and by device time (DIR/device.txt).
+minimum), and `--profile-steps` steps, each under torch.profiler as benchmarks/step.py
+profiles one (`profile_step`). Writes DIR/report.json (step times, the share of the profiled
+steps the GPU was busy, peak memory, each profiled step's top kernels and host operators) and
+the last profiled step's operators by host time (DIR/host.txt) and kernels by device time
+(DIR/device.txt).
 """
 
 from __future__ import annotations
@@ -26,65 +28,51 @@ if str(REPO) not in sys.path:  # `python benchmarks/stage_profile.py`: make the 
     sys.path.insert(0, str(REPO))
 
 
-def _synchronize(torch) -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def profile_stage(train_argv: list[str], *, warmup: int, steps: int,
-                  profile_steps: int) -> tuple[dict, str, str]:
-    """(report, host-time table, device-time table) of train.py's stage for `train_argv`."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
+                  profile_steps: int) -> dict:
+    """The report of train.py's stage for `train_argv`: build and warm-up times, step times,
+    and per profiled step (benchmarks.step.profile_step) its kernels and host operators."""
+    from benchmarks.step import profile_step, synchronize
     from trainer.build import build_stage
     from trainer.config.args import resolve_args
     from trainer.parallel.distributed import init_distributed
-    from trainer.runtime.cuda_memory import configure_cuda_allocator
+
+    import torch
 
     args, _ = resolve_args(train_argv, world_size=1)
-    configure_cuda_allocator()
     topo = init_distributed(args.cp_size, args.dist_backend, hybrid_shard=args.hybrid_shard,
                             shard_group_size=args.shard_group_size)
     torch.manual_seed(args.seed)
     started = time.perf_counter()
     stage = build_stage(args, topo)
     build_s = time.perf_counter() - started
-    step = 0
     started = time.perf_counter()
     for step in range(1, warmup + 1):
         stage.train_step(step)
-    _synchronize(torch)
+    synchronize(topo.device)
     warmup_s = time.perf_counter() - started
     times = []
-    for step in range(step + 1, step + 1 + steps):
+    for step in range(warmup + 1, warmup + steps + 1):
         started = time.perf_counter()
         stage.train_step(step)
-        _synchronize(torch)
+        synchronize(topo.device)
         times.append(time.perf_counter() - started)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
-                                           else [])
-    with profile(activities=activities) as prof:
-        started = time.perf_counter()
-        for step in range(step + 1, step + 1 + profile_steps):
-            stage.train_step(step)
-        _synchronize(torch)
-        profiled_s = (time.perf_counter() - started) / max(profile_steps, 1)
-    events = prof.key_averages()
-    kernel_s = sum(e.self_device_time_total for e in events
-                   if e.device_type.name == "CUDA") / 1e6 / max(profile_steps, 1)
-    report = {"argv": train_argv, "stage": args.stage, "build_s": build_s, "warmup_s": warmup_s,
-              "median_step_s": statistics.median(times) if times else None,
-              "min_step_s": min(times) if times else None,
-              # the profiler slows the host: the busy share is of the profiled step
-              "profiled_step_s": profiled_s, "kernel_s_per_step": kernel_s,
-              "gpu_busy": kernel_s / profiled_s if torch.cuda.is_available() else None,
-              "peak_allocated_gib": (torch.cuda.max_memory_allocated() / 2**30
-                                     if torch.cuda.is_available() else None)}
-    host = events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70)
-    device = (events.table(sort_by="self_device_time_total", row_limit=30,
-                           max_name_column_width=70) if torch.cuda.is_available() else "")
-    return report, host, device
+    profiled = [profile_step(stage.train_step, step, topo.device)
+                for step in range(warmup + steps + 1, warmup + steps + profile_steps + 1)]
+    cuda = topo.device.type == "cuda"
+    return {"argv": train_argv, "stage": args.stage, "build_s": build_s, "warmup_s": warmup_s,
+            "median_step_s": statistics.median(times) if times else None,
+            "min_step_s": min(times) if times else None,
+            # the profiler slows the host: the busy share is of the profiled steps
+            "gpu_busy": (sum(p["kernel_s"] for p in profiled) / sum(p["wall_s"] for p in profiled)
+                         if cuda and profiled else None),
+            "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            "profiled_steps": profiled}
+
+
+def _table(rows: list[dict], time_key: str) -> str:
+    return "\n".join(f"{r[time_key] * 1e3:12.3f} ms {r['calls']:8d}  {r['name']}"
+                     for r in rows) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,13 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(ours)
     if not train_argv:
         parser.error("give train.py's command line after `--` (at least --config FILE)")
-    report, host, device = profile_stage(train_argv, warmup=ns.warmup, steps=ns.steps,
-                                         profile_steps=ns.profile_steps)
+    report = profile_stage(train_argv, warmup=ns.warmup, steps=ns.steps,
+                           profile_steps=ns.profile_steps)
     ns.out.mkdir(parents=True, exist_ok=True)
     (ns.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (ns.out / "host.txt").write_text(host)
-    (ns.out / "device.txt").write_text(device)
-    print(json.dumps(report, indent=2))
+    if report["profiled_steps"]:  # the last profiled step's tables
+        last = report["profiled_steps"][-1]
+        (ns.out / "host.txt").write_text(_table(last["top_host_ops"], "self_cpu_s"))
+        (ns.out / "device.txt").write_text(_table(last["top_kernels"], "s"))
+    summary = {k: v for k, v in report.items() if k != "profiled_steps"}
+    print(json.dumps(summary, indent=2))
     return 0
 
 

@@ -376,10 +376,14 @@ def profile_step(step, index: int, device, top: int = 30) -> dict:
     total = sum(t for t, _ in kernels.values())
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
     attention = sum(t for name, (t, _) in kernels.items() if ATTENTION_KERNELS.search(name))
+    # a small model's step is bound by the host: what the host spends its time on, by operator
+    host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
     return {"wall_s": wall, "kernel_s": total, "attention_kernel_s": attention,
             "attention_share": attention / total if total else None,
             "top_kernels": [{"name": name[:200], "s": t, "calls": calls, "share": t / total}
-                            for name, (t, calls) in ranked[:top]]}
+                            for name, (t, calls) in ranked[:top]],
+            "top_host_ops": [{"name": e.key[:200], "self_cpu_s": e.self_cpu_time_total / 1e6,
+                              "calls": e.count} for e in host]}
 
 
 def run_one(spec: str, size_name: str, args, device, ceiling_tflops: float | None) -> dict:
