@@ -74,9 +74,11 @@ class BlockCounter:
 
 
 def build_stage(family: str, stage: str, tmp_path: Path, monkeypatch, *extra: str):
-    sources = {"stage2": [f"--{role}_init_path={tmp_path}"
+    # a path not yet written: the wan family then takes make_tiny_wan's architecture, not 1.3B's
+    weights = tmp_path / "tiny-wan"
+    sources = {"stage2": [f"--{role}_init_path={weights}"
                           for role in ("student", "teacher", "critic")]}.get(
-        stage, ["--pretrained_transformer_path", str(tmp_path)])
+        stage, ["--pretrained_transformer_path", str(weights)])
     args = resolve_config(str(REPO / CONFIGS[family].format(stage)),
                           ["--output_dir", str(tmp_path / "out"), "--data_path",
                            str(tmp_path / "data"), "--train_batch_size", str(BATCH),
