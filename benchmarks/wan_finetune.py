@@ -18,7 +18,8 @@ What it does, as a user's run would:
    `--steps + --resume-steps`, which must resume from the newest checkpoint and go on;
 3. with `--stage1-steps`: Stage1 (TF-AnyFlow) from SFT's EMA (with `--steps 0` from the source
    directory), the same two runs;
-4. with `--stage2-steps` too: Stage2 (DMD via SGF), the student from Stage1's EMA, the frozen
+4. with `--stage2-steps` too: Stage2 (DMD via SGF), the student from Stage1's EMA (with
+   `--stage2-student source`, and then no Stage1 needed, from the source directory), the frozen
    teacher and the critic from the source directory, the same two runs.
 `--prune` deletes a stage's checkpoints once no later run reads them (SFT's after Stage1's first
 run, Stage1's after Stage2's first run): at 1.3B a checkpoint with its optimizer state holds
@@ -136,7 +137,8 @@ def stage_argv(args, root: Path, stage: str, max_steps: int) -> list[str]:
         start = root / "sft" if args.steps else source  # SFT is optional, as in the pipeline
         argv += ["--pretrained_transformer_path", str(start), "--warmup_steps", "10"]
     else:
-        argv += ["--student_init_path", str(root / "stage1"), "--teacher_init_path", source,
+        student = root / "stage1" if args.stage2_student == "stage1" else source
+        argv += ["--student_init_path", str(student), "--teacher_init_path", source,
                  "--critic_init_path", source]
     if size["architecture"]:  # the stage configs repeat the 1.3B architecture
         overrides = {**size["architecture"], **STAGE_FORMS[stage]}
@@ -226,8 +228,8 @@ def plan(args) -> list[tuple[str, str, int, int, str | None]]:
     stages = [("sft", args.steps, args.resume_steps)] if args.steps else []
     if args.stage1_steps:
         stages.append(("stage1", args.stage1_steps, args.stage1_resume_steps))
-        if args.stage2_steps:
-            stages.append(("stage2", args.stage2_steps, args.stage2_resume_steps))
+    if args.stage2_steps and (args.stage1_steps or args.stage2_student == "source"):
+        stages.append(("stage2", args.stage2_steps, args.stage2_resume_steps))
     for index, (stage, steps, resume_steps) in enumerate(stages):
         # the stage before this one is read only by this stage's first run
         previous = stages[index - 1][0] if index and args.prune else None
@@ -252,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage2-steps", type=int, default=0,
                         help="then Stage2 (DMD via SGF) for this many outer steps (0: none)")
     parser.add_argument("--stage2-resume-steps", type=int, default=0)
+    parser.add_argument("--stage2-student", choices=("stage1", "source"), default="stage1",
+                        help="Stage2's student: Stage1's EMA (the chain), or the source directory "
+                             "to run Stage2 without Stage1 (to time it alone)")
     parser.add_argument("--save-interval", type=int, default=50)
     parser.add_argument("--validation-steps", type=int, default=8)
     parser.add_argument("--prune", action="store_true",
