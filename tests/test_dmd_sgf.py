@@ -559,8 +559,13 @@ def test_stage2_trains_from_fm_checkpoints_resumes_exactly_after_a_kill_and_samp
     report = json.loads((straight / "warm-start.json").read_text())
     assert set(report["roles"]) == {"student", "teacher", "critic"}
     assert report["roles"]["student"]["member"] == "ema"
-    complete = json.loads(next(straight.glob("checkpoint-10")).joinpath("COMPLETE").read_text())
-    assert {"student", "teacher", "critic", "optimizer", "ema"} <= set(complete["members"])
+    checkpoint = straight / "checkpoint-10"
+    complete = json.loads((checkpoint / "COMPLETE").read_text())
+    # The frozen teacher is recorded by reference, not saved (save_frozen_teacher: false)
+    assert {"student", "critic", "optimizer", "ema"} <= set(complete["members"])
+    assert "teacher" not in complete["members"] and not (checkpoint / "teacher").exists()
+    frozen = json.loads((checkpoint / "frozen-roles.json").read_text())
+    assert list(frozen) == ["teacher"] and frozen["teacher"]["path"] == str(sft)
 
     killed = tmp_path / "killed"
     proc = train("config/tiny/stage2.yaml", *stage2_argv(tmp_path, killed, sft, student),
@@ -577,7 +582,7 @@ def test_stage2_trains_from_fm_checkpoints_resumes_exactly_after_a_kill_and_samp
             if (p / "COMPLETE").exists()]
     assert done and max(done) < 10, "the run finished before the kill; nothing was resumed"
     log = train("config/tiny/stage2.yaml", *stage2_argv(tmp_path, killed, sft, student))
-    assert "resumed from" in log
+    assert "resumed from" in log and "the frozen teacher is not in it; loaded again" in log
 
     want, got = records(straight), records(killed)
     assert [r["step"] for r in got] == list(range(1, 11))
@@ -594,3 +599,35 @@ def test_stage2_trains_from_fm_checkpoints_resumes_exactly_after_a_kill_and_samp
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (sample_dir / "frames.npy").is_file() and (sample_dir / "frames.png").is_file()
+
+
+def test_stage2_refuses_to_resume_against_a_changed_teacher_and_can_save_it_instead(tmp_path):
+    import shutil
+
+    sft = fm_checkpoint(tmp_path, "sft", causal=False)
+    teacher = tmp_path / "teacher"
+    shutil.copytree(sft, teacher)
+    out = tmp_path / "stage2"
+    argv = [*stage2_argv(tmp_path, out, sft, sft), "--teacher_init_path", str(teacher)]
+    train("config/tiny/stage2.yaml", *argv, "--max_steps", "2")
+    # Other bytes of the same size in the teacher's weights (a retrained SFT written in place)
+    shard = next((teacher / "checkpoint-2" / "ema").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    for dry_run in (["--dry-run"], []):  # refused at --dry-run (and relay submit), and by the job
+        proc = subprocess.run([PYTHON, "trainer/train.py", "--config", "config/tiny/stage2.yaml",
+                               *argv, "--max_steps", "4", *dry_run], cwd=REPO,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode != 0, dry_run
+        assert "the frozen teacher changed since checkpoint-2 was saved" in proc.stderr, dry_run
+        assert "Traceback" not in proc.stderr
+    assert not (out / "checkpoint-4").exists()
+
+    # save_frozen_teacher: true keeps checkpoints self-contained
+    whole = tmp_path / "whole"
+    train("config/tiny/stage2.yaml", *stage2_argv(tmp_path, whole, sft, sft), "--max_steps", "2",
+          "--save_frozen_teacher", "true")
+    complete = json.loads((whole / "checkpoint-2" / "COMPLETE").read_text())
+    assert "teacher" in complete["members"]
+    assert not (whole / "checkpoint-2" / "frozen-roles.json").exists()

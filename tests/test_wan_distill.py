@@ -36,6 +36,7 @@ import yaml
 
 from launcher.cli import main as relay_main
 from trainer.checkpoint.dcp_io import read_dcp_state_dict
+from trainer.checkpoint.lora_base import base_reference
 from trainer.models.wan import tiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,7 +144,8 @@ def test_stage2_preempted_and_resumed_equals_the_uninterrupted_chain(chain):
     assert "critic_loss_rel" in got[0] and "generator_loss" in got[-1]  # the health gate's input
     final = f"checkpoint-{STEPS['stage2']}"
     members = json.loads((reference / final / "COMPLETE").read_text())["members"]
-    assert {"student", "critic", "teacher", "ema", "optimizer"} <= set(members), members
+    assert {"student", "critic", "ema", "optimizer"} <= set(members), members
+    assert "teacher" not in members  # frozen: recorded by reference, loaded again on resume
     for member in members:
         saved, resumed = _tensors(reference / final, member), _tensors(cut / final, member)
         assert saved.keys() == resumed.keys(), member
@@ -177,10 +179,13 @@ def test_each_role_receives_the_tensors_it_should(chain):
     student = _tensors(reference / "stage2" / "checkpoint-2", "student")
     assert sorted(set(stage1_ema) - set(student)) == second
     assert all(torch.equal(student[k], stage1_ema[k]) for k in student)
-    teacher = _tensors(reference / "stage2" / f"checkpoint-{STEPS['stage2']}", "teacher")
-    assert teacher.keys() == sft_ema.keys()
-    assert all(torch.equal(teacher[k], sft_ema[k]) for k in teacher)
-    assert any(not torch.equal(teacher[k], sft_live[k]) for k in teacher)  # the EMA, not live
+    # The frozen teacher is not saved: every checkpoint records the bytes it was loaded from,
+    # SFT's EMA, which a resume loads again
+    final = reference / "stage2" / f"checkpoint-{STEPS['stage2']}"
+    frozen = json.loads((final / "frozen-roles.json").read_text())["teacher"]
+    assert frozen["root"] == str(sft / "ema")
+    assert frozen["digest"] == base_reference(sft / "ema", "ema")["digest"]
+    assert any(not torch.equal(sft_ema[k], sft_live[k]) for k in sft_ema)  # the EMA, not live
 
 
 def test_the_exported_student_loads_in_diffusers_with_relays_bidirectional_output(

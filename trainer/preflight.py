@@ -18,6 +18,7 @@ from pathlib import Path
 from trainer.config import stage_checks
 from trainer.config.lora_checks import adapter_params, lora_init_problem
 from trainer.models.lora_targets import lora_enabled
+from trainer.checkpoint.frozen_roles import check_frozen_sources
 from trainer.checkpoint.layout import CheckpointError, list_checkpoints
 from trainer.config.schema import ARGS, ConfigError, ResolvedArgs
 from trainer.data.synthetic_encoded import encoded_latent_shape
@@ -384,10 +385,17 @@ def _validate_weight_sources(args: ResolvedArgs) -> None:
     if tiny_wan_pending(args):
         return  # the run writes it (make_tiny_wan) before it reads it
     try:
-        if list_checkpoints(args.output_dir):
-            return  # it resumes: the warm-start source is not read
+        checkpoints = list_checkpoints(args.output_dir)
     except OSError:
-        pass
+        checkpoints = []
+    if checkpoints:
+        # it resumes: the warm-start sources are not read, but a frozen role the checkpoint left
+        # out is (trainer.checkpoint.frozen_roles), and must hold the bytes it was saved with
+        try:
+            check_frozen_sources(args, checkpoints[-1])
+        except CheckpointError as exc:
+            raise ConfigError(str(exc)) from None
+        return
     for key, weights_key in WEIGHT_KEYS.get(args.stage, ()):
         if args[key] is None:
             continue

@@ -69,7 +69,7 @@ def base_reference(path: str | os.PathLike, weights: str = "live",
         try:
             parts = [f"{e['name']}\0{e['size']}\0{digest_file(f)}" for e, f in zip(entries, files)]
         except OSError as exc:
-            raise CheckpointError(f"cannot read the LoRA base {path}: {exc}") from None
+            raise CheckpointError(f"cannot read {path}: {exc}") from None
         digest = digest_bytes("\n".join(parts).encode())
     return {"path": str(path), "weights": weights, "root": str(root), "files": entries,
             "algorithm": ALGORITHM, "digest": digest}

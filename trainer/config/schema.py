@@ -309,6 +309,12 @@ SECTIONS: dict[str, list[Arg]] = {
             nullable=True),
         Arg("critic_init_weights", "str", "ema", "Critic source weights.",
             choices=("live", "ema")),
+        Arg("save_frozen_teacher", "bool", False,
+            "Save the frozen teacher in every checkpoint. false: checkpoints hold the student, "
+            "its EMA, the critic and the optimizers, and record the teacher's source by "
+            "content digest (frozen-roles.json); a resume loads the teacher from "
+            "teacher_init_path again and refuses one whose bytes changed. true: self-contained "
+            "checkpoints, larger by the teacher (5.7 GB at Wan2.1-1.3B)."),
         Arg("critic_learning_rate", "float", 4e-4, "Critic AdamW learning rate."),
         Arg("critic_adam_beta1", "float", 0.0, "Critic AdamW beta1."),
         Arg("critic_adam_beta2", "float", 0.999, "Critic AdamW beta2."),
