@@ -23,7 +23,9 @@ MODEL = ("{in_channels: 3, hidden_size: 32, num_attention_heads: 2, num_layers: 
 
 def gate(**settings) -> HealthGate:
     defaults = {"health_gate": True, "health_score_margin": 0.1, "health_score_patience": 2,
-                "health_critic_max_ratio": 10.0, "health_critic_patience": 3}
+                "health_critic_max_ratio": 10.0, "health_critic_min_ratio": 0.01,
+                "health_critic_patience": 3, "health_sample_min_ratio": 0.2,
+                "stage": "dmd_sgf"}
     return HealthGate(ResolvedArgs({**defaults, **settings}))
 
 
@@ -62,6 +64,36 @@ def test_a_diverging_critic_stops_after_its_patience():
     assert gate(health_critic_max_ratio=0).observe(1, {"critic_loss_rel": 1e9}) is None
 
 
+def test_a_critic_with_nothing_left_to_learn_stops_after_its_patience():
+    g = gate()
+    ratios = [1.0, 0.5, 0.005, 0.004, 0.02, 0.003, 0.002, 0.001]
+    stops = [s for s, r in enumerate(ratios, 1) if g.observe(s, {"critic_loss_rel": r})]
+    assert stops == [8]  # three in a row, after 0.02 broke the first run
+    reason = gate().observe(1, {"critic_loss_rel": 0.0})
+    assert reason is None  # one step is not a trend
+    assert gate(health_critic_min_ratio=0).observe(1, {"critic_loss_rel": 0.0}) is None
+
+
+def samples(g: HealthGate, values, name: str, weights="ema"):
+    """Feed one validation per value of the sample statistic `name`; the stop reasons."""
+    return [(step, reason) for step, v in enumerate(values, 1)
+            if (reason := g.observe(step, {f"val/{weights}/{name}": v})) is not None]
+
+
+@pytest.mark.parametrize("name, collapse", [("motion", "a static video"),
+                                            ("contrast", "a colour flood")])
+def test_samples_that_stop_moving_or_flood_stop_a_distillation_stage(name, collapse):
+    # 0.03 is above 0.2 x 0.1: it passes and resets the count
+    stops = samples(gate(), [0.08, 0.1, 0.015, 0.03, 0.01, 0.005], name)
+    assert [s for s, _ in stops] == [6]
+    reason = stops[0][1]
+    assert reason.gate == "samples" and collapse in reason.message
+    assert f"val/ema/{name}" in reason.message and "0.1000 at step 2" in reason.message
+    assert samples(gate(health_sample_min_ratio=0), [0.1, 0.0, 0.0, 0.0], name) == []
+    # a pretrain's first samples are noise, which moves more than any video: not watched
+    assert samples(gate(stage="fm"), [0.5, 0.01, 0.01, 0.01], name) == []
+
+
 def test_the_gate_off_never_stops():
     assert scores(gate(health_gate=False), [1.0, 0.0, 0.0, 0.0]) == []
 
@@ -73,8 +105,14 @@ def test_a_resumed_gate_continues_the_counts_of_metrics_jsonl(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 4')
     g = gate()
     g.replay(path, through_step=20)
-    assert g.best == 0.9 and g.below == 1
+    assert g.score.best == 0.9 and g.score.below == 1
     assert g.observe(30, {"val/ema/mean_score": 0.5}) is not None
+    # the sample statistics' counts continue too
+    path.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"step": 10, "val/ema/motion": 0.1}, {"step": 20, "val/ema/motion": 0.01}]))
+    g = gate()
+    g.replay(path, through_step=20)
+    assert g.observe(30, {"val/ema/motion": 0.01}).gate == "samples"
 
 
 
@@ -83,6 +121,8 @@ def test_a_resumed_gate_continues_the_counts_of_metrics_jsonl(tmp_path):
     ({"health_score_margin": 1.5}, "health_score_margin"),
     ({"health_score_patience": 0}, "health_score_patience"),
     ({"health_critic_max_ratio": 0.5}, "health_critic_max_ratio"),
+    ({"health_critic_min_ratio": 1.0}, "health_critic_min_ratio"),
+    ({"health_sample_min_ratio": -0.1}, "health_sample_min_ratio"),
     ({"health_gate": "true", "stage": "fm", "validation_interval": 0}, "nothing to watch"),
 ])
 def test_preflight_rejects_a_gate_that_cannot_work(overrides, message):
@@ -147,3 +187,5 @@ def test_a_healthy_stage2_runs_to_the_end_and_logs_what_the_gate_watches(sources
     assert all(r["critic_loss_rel"] < 10 for r in records)
     assert "generator_critic_loss_ratio" in records[-1] and records[-1]["dmd_grad_rms"] > 0
     assert "val/ema/mean_score" in records[3]  # the score the gate watches, at step 4
+    # and what any data shows: the samples move and vary within a frame
+    assert records[3]["val/ema/motion"] > 0 and records[3]["val/ema/contrast"] > 0

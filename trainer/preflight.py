@@ -137,9 +137,14 @@ def _validate_health_gate(args: ResolvedArgs) -> None:
     _check(args.health_critic_max_ratio == 0 or args.health_critic_max_ratio > 1,
            f"`health_critic_max_ratio` must be above 1 (a multiple of the critic's starting "
            f"loss) or 0 to turn the check off, got {args.health_critic_max_ratio}.")
+    for key in ("health_critic_min_ratio", "health_sample_min_ratio"):
+        _check(0 <= args[key] < 1,
+               f"`{key}` must lie in [0, 1) (a fraction of a reference value; 0 turns the "
+               f"check off), got {args[key]}.")
     if not args.health_gate:
         return
-    critic_watched = args.stage == "dmd_sgf" and args.health_critic_max_ratio > 0
+    critic_watched = args.stage == "dmd_sgf" and (args.health_critic_max_ratio > 0
+                                                  or args.health_critic_min_ratio > 0)
     _check(args.validation_interval > 0 or critic_watched,
            f"`health_gate: true` has nothing to watch: validation runs only at the end "
            f"(validation_interval {args.validation_interval}), so the score gate never sees "

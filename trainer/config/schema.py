@@ -340,8 +340,9 @@ SECTIONS: dict[str, list[Arg]] = {
     "health": [
         Arg("health_gate", "bool", False,
             "Stop the run, after saving, when it degrades (trainer.runtime.health): validation "
-            "mean_score too far below its best several validations in a row, or (Stage2) the "
-            "critic's FM loss diverging from its starting value. The reason goes into "
+            "mean_score too far below its best several validations in a row, (Stage1, Stage2) "
+            "samples that stop moving or flood with one colour, or (Stage2) the critic's FM "
+            "loss diverging from its starting value or collapsing toward 0. The reason goes into "
             "run-result.json (stop_reason) and `relay status`; the exit code is 1."),
         Arg("health_score_margin", "float", 0.15,
             "How far (absolute, scores in [0, 1]) validation mean_score may fall below its "
@@ -351,8 +352,17 @@ SECTIONS: dict[str, list[Arg]] = {
         Arg("health_critic_max_ratio", "float", 10.0,
             "Stage2: the critic's FM loss over its value at the start of Stage2 "
             "(critic_loss_rel) above which a step counts as diverging (0 turns this check off)."),
+        Arg("health_critic_min_ratio", "float", 0.01,
+            "Stage2: critic_loss_rel below which a step counts as the critic having nothing "
+            "left to learn (the student's samples collapsed to something trivial; 0 turns "
+            "this check off)."),
         Arg("health_critic_patience", "int", 5,
-            "Stage2: diverging critic steps in a row that stop the run."),
+            "Stage2: diverging (or stalled) critic steps in a row that stop the run."),
+        Arg("health_sample_min_ratio", "float", 0.2,
+            "Stage1/Stage2: a validation counts as collapsed when its samples' motion (a static "
+            "video) or contrast (a colour flood), read from the pixels on any data, falls below "
+            "this fraction of the highest seen in the run; health_score_patience of them in a "
+            "row stop the run (0 turns this check off)."),
     ],
     "output": [
         Arg("output_dir", "path", None,

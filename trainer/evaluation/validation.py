@@ -12,7 +12,8 @@ but only rank 0 decodes, scores and writes), and writes
     (clips decoded through the VAE at vae_path when it is set; else latents are pixels)
     samples/step-<N>/manifest.json         written last: captions, sampler, scores, files
 
-The scores go into that step's metrics.jsonl record. A validation that fails is logged as an
+The scores, and the clips' checker-free motion and contrast (trainer.evaluation.sample_stats),
+go into that step's metrics.jsonl record. A validation that fails is logged as an
 error and training goes on.
 """
 
@@ -58,6 +59,7 @@ def run_validation(stage, args, step: int, output_dir: Path, latent_shape,
     and the files to the main rank, whose samples are the same (one seeded generator).
     """
     from trainer.evaluation.evaluate import summary_scores
+    from trainer.evaluation.sample_stats import clip_statistics
     from trainer.diffusion.sampling import sampler_settings
 
     started = time.perf_counter()
@@ -78,7 +80,8 @@ def run_validation(stage, args, step: int, output_dir: Path, latent_shape,
     metrics, blocks = {}, []
     for weights, latents in sampled:
         clips, scores, files = _decode_and_score(args, generator, latents, captions, out / weights)
-        summary = summary_scores(scores)
+        # the checker's scores, and what any data shows (the health gate's collapse checks)
+        summary = {**summary_scores(scores), **clip_statistics(clips)}
         manifest["weights"][weights] = {**summary, "per_caption": scores["per_caption"],
                                         "files": files}
         metrics.update({f"val/{weights}/{k}": v for k, v in summary.items()})

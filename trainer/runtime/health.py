@@ -6,8 +6,15 @@ over-saturates, the samples get worse while every number logged looks fine. With
 it answers with a reason to stop when
 - the validation mean score (EMA weights where validated, else live) stays more than
   `health_score_margin` below its best for `health_score_patience` validations in a row, or
+- (Stage1, Stage2) the validation samples stop moving or flood with one colour: their
+  `motion` or `contrast` (trainer.evaluation.sample_stats: from the pixels, on any data) stays
+  below `health_sample_min_ratio` of the highest seen in the run for `health_score_patience`
+  validations in a row. Only the distillation stages are watched: they start from a trained
+  model, while a pretrain's first samples are noise, which moves more than any video;
 - the critic's FM loss relative to its value when Stage2 started (`critic_loss_rel`, logged
-  by trainer.stages.dmd_sgf) stays above `health_critic_max_ratio` for
+  by trainer.stages.dmd_sgf) stays above `health_critic_max_ratio` (diverging) or below
+  `health_critic_min_ratio` (it predicts the student's samples almost exactly: they have
+  collapsed to something trivial, and the critic has nothing left to learn or to teach) for
   `health_critic_patience` steps in a row.
 The loop then saves, writes the reason into run-result.json (`stop_reason`) and exits 1, so
 `relay status` and a chained pipeline see a failed stage with its reason. Torch-free. On
@@ -24,7 +31,7 @@ from pathlib import Path
 
 @dataclass
 class StopReason:
-    """Why the gate stopped a run: gate is "validation" or "critic"."""
+    """Why the gate stopped a run: gate is "validation", "samples" or "critic"."""
 
     step: int
     gate: str
@@ -34,14 +41,40 @@ class StopReason:
         return {"step": self.step, "gate": self.gate, "message": self.message}
 
 
-def watched_score(record: dict) -> tuple[str, float] | None:
-    """(key, value) of the validation score the gate watches in a metrics record: the EMA's
-    mean_score where the record has one, else the live weights'; None without validation."""
+def watched_score(record: dict, name: str = "mean_score") -> tuple[str, float] | None:
+    """(key, value) of the validation number `name` the gate watches in a metrics record: the
+    EMA's where the record has one, else the live weights'; None without validation."""
     for weights in ("ema", "live"):
-        key = f"val/{weights}/mean_score"
+        key = f"val/{weights}/{name}"
         if isinstance(record.get(key), (int, float)):
             return key, float(record[key])
     return None
+
+
+# What a collapse of each sample statistic looks like, in the stop message.
+SAMPLE_COLLAPSES = {
+    "motion": ("have stopped moving", "the mean change of a pixel between frames",
+               "a static video"),
+    "contrast": ("are flooding with one colour", "the spread of pixel values within a frame",
+                 "a colour flood"),
+}
+
+
+@dataclass
+class Trend:
+    """A watched validation number: its highest value so far, the step of it, and how many
+    observations in a row have been degraded."""
+
+    best: float | None = None
+    best_step: int | None = None
+    below: int = 0
+
+    def update(self, step: int, value: float, limit_from_best) -> int:
+        """Take `value`; it is degraded below limit_from_best(best). Returns the count in a row."""
+        if self.best is None or value > self.best:
+            self.best, self.best_step = value, step
+        self.below = self.below + 1 if value < limit_from_best(self.best) else 0
+        return self.below
 
 
 class HealthGate:
@@ -52,47 +85,82 @@ class HealthGate:
         self.margin = float(args.health_score_margin)
         self.score_patience = int(args.health_score_patience)
         self.critic_max_ratio = float(args.health_critic_max_ratio)
+        self.critic_min_ratio = float(args.health_critic_min_ratio)
         self.critic_patience = int(args.health_critic_patience)
-        self.best: float | None = None
-        self.best_step: int | None = None
-        self.below = 0
+        self.sample_min_ratio = (float(args.health_sample_min_ratio)
+                                 if args.stage in ("tf_anyflow", "dmd_sgf") else 0.0)
+        self.score = Trend()
         self.critic_over = 0
+        self.critic_under = 0
+        self.samples = {name: Trend() for name in SAMPLE_COLLAPSES}
 
     def observe(self, step: int, numbers: dict) -> StopReason | None:
         """Feed one step's numbers (with its validation scores when it validated); returns the
         reason to stop, or None. Does nothing when the gate is off."""
         if not self.enabled:
             return None
-        return self._check_critic(step, numbers) or self._check_score(step, numbers)
+        return (self._check_critic(step, numbers) or self._check_samples(step, numbers)
+                or self._check_score(step, numbers))
 
     def _check_critic(self, step: int, numbers: dict) -> StopReason | None:
         ratio = numbers.get("critic_loss_rel")
-        if self.critic_max_ratio <= 0 or not isinstance(ratio, (int, float)):
+        if not isinstance(ratio, (int, float)):
             return None
-        self.critic_over = self.critic_over + 1 if ratio > self.critic_max_ratio else 0
-        if self.critic_over < self.critic_patience:
+        over = self.critic_max_ratio > 0 and ratio > self.critic_max_ratio
+        under = self.critic_min_ratio > 0 and ratio < self.critic_min_ratio
+        self.critic_over = self.critic_over + 1 if over else 0
+        self.critic_under = self.critic_under + 1 if under else 0
+        if self.critic_over >= self.critic_patience:
+            return StopReason(step, "critic", (
+                f"health gate: the critic's FM loss has been more than "
+                f"{self.critic_max_ratio:g}x its value at the start of Stage2 for "
+                f"{self.critic_over} steps in a row (now {ratio:.3g}x at step {step}): the "
+                f"critic is diverging. Lower critic_learning_rate (or learning_rate), or raise "
+                f"health_critic_max_ratio."))
+        if self.critic_under >= self.critic_patience:
+            return StopReason(step, "critic", (
+                f"health gate: the critic's FM loss has been below {self.critic_min_ratio:g}x "
+                f"its value at the start of Stage2 for {self.critic_under} steps in a row (now "
+                f"{ratio:.3g}x at step {step}): the critic predicts the student's samples "
+                f"almost exactly, so they have collapsed to something trivial (a static or flat "
+                f"video) and the critic has stopped learning anything it could teach. Look at "
+                f"the latest samples; lower learning_rate (the student's), or lower "
+                f"health_critic_min_ratio (0 turns this check off)."))
+        return None
+
+    def _check_samples(self, step: int, numbers: dict) -> StopReason | None:
+        if self.sample_min_ratio <= 0:
             return None
-        return StopReason(step, "critic", (
-            f"health gate: the critic's FM loss has been more than {self.critic_max_ratio:g}x "
-            f"its value at the start of Stage2 for {self.critic_over} steps in a row (now "
-            f"{ratio:.3g}x at step {step}): the critic is diverging. Lower "
-            f"critic_learning_rate (or learning_rate), or raise health_critic_max_ratio."))
+        for name, (what, meaning, collapse) in SAMPLE_COLLAPSES.items():
+            watched = watched_score(numbers, name)
+            if watched is None:
+                continue
+            key, value = watched
+            trend = self.samples[name]
+            if trend.update(step, value, lambda best: self.sample_min_ratio * best) \
+                    >= self.score_patience:
+                return StopReason(step, "samples", (
+                    f"health gate: the validation samples {what}: {key} ({meaning}) has been "
+                    f"below {self.sample_min_ratio:g} of its highest ({trend.best:.4f} at step "
+                    f"{trend.best_step}) for {trend.below} validations in a row (now "
+                    f"{value:.4f} at step {step}), which is {collapse}. The weights before it "
+                    f"are in the checkpoint nearest step {trend.best_step}; lower "
+                    f"learning_rate, or lower health_sample_min_ratio (0 turns this check off)."))
+        return None
 
     def _check_score(self, step: int, numbers: dict) -> StopReason | None:
         watched = watched_score(numbers)
         if watched is None:
             return None
         key, score = watched
-        if self.best is None or score > self.best:
-            self.best, self.best_step = score, step
-        self.below = self.below + 1 if score < self.best - self.margin else 0
-        if self.below < self.score_patience:
+        trend = self.score
+        if trend.update(step, score, lambda best: best - self.margin) < self.score_patience:
             return None
         return StopReason(step, "validation", (
             f"health gate: validation {key} has been more than {self.margin:g} below its best "
-            f"({self.best:.3f} at step {self.best_step}) for {self.below} validations in a row "
-            f"(now {score:.3f} at step {step}): the samples are getting worse. The best "
-            f"weights are in the checkpoint nearest step {self.best_step}; lower the learning "
+            f"({trend.best:.3f} at step {trend.best_step}) for {trend.below} validations in a "
+            f"row (now {score:.3f} at step {step}): the samples are getting worse. The best "
+            f"weights are in the checkpoint nearest step {trend.best_step}; lower the learning "
             f"rates, or widen health_score_margin / health_score_patience."))
 
     def replay(self, metrics_path: Path, through_step: int) -> None:
@@ -106,4 +174,5 @@ class HealthGate:
             except json.JSONDecodeError:
                 continue  # a line cut by a kill mid-write
             if record.get("step", 0) <= through_step:
+                self._check_samples(record["step"], record)
                 self._check_score(record["step"], record)
