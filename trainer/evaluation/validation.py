@@ -90,8 +90,11 @@ def run_validation(stage, args, step: int, output_dir: Path, latent_shape,
     manifest["grid"] = str(write_validation_grid(out / "grid.png", blocks))
     write_json(out / "manifest.json", manifest)
     seconds = time.perf_counter() - started
-    log.info("validation step %d: %s -> %s (%.1f s)", step,
-             ", ".join(f"{k} {v:.0%}" for k, v in metrics.items()), out, seconds)
+    # scores are fractions; motion and contrast are small pixel statistics that a percentage
+    # would round to 0 or 1 just where a collapse shows
+    shown = [f"{k} {v:.4f}" if k.endswith(("/motion", "/contrast")) else f"{k} {v:.0%}"
+             for k, v in metrics.items()]
+    log.info("validation step %d: %s -> %s (%.1f s)", step, ", ".join(shown), out, seconds)
     # What validation costs the run: docs/training.md breaks a run's time down with it.
     metrics["val/seconds"] = seconds
     return metrics
