@@ -355,7 +355,7 @@ def memory_gib(device) -> dict:
             "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2 ** 30}
 
 
-def profile_step(step, index: int, device, top: int = 30) -> dict:
+def profile_step(step, index: int, device, top: int = 60) -> dict:
     """One step under torch.profiler: its wall time, kernel time, top kernels, attention share."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -492,8 +492,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="the compile partitioner's activation_memory_budget (the fraction of "
                              "its default saved activations to keep) for both models; default: "
                              "relay's own, trainer.models.dit.module.ACTIVATION_MEMORY_BUDGET")
+    parser.add_argument("--coordinate-descent-tuning", action="store_true",
+                        help="Inductor tunes each generated kernel's block sizes by timing them "
+                             "(longer first compile), for every run of this process")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
+    if args.coordinate_descent_tuning:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.coordinate_descent_tuning = True
     # One partitioner setting for both models (it is process-wide, and relay's compile sets its
     # own), so their compiled steps are compared under the same recompute policy.
     import torch._functorch.config as functorch_config
@@ -524,7 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"command": " ".join(["python", "benchmarks/step.py", *(argv or sys.argv[1:])]),
               "size": {"name": args.size, **SIZES[args.size]}, "versions": versions(device),
               "allocator": __import__("os").environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-              "activation_memory_budget": args.activation_memory_budget, "runs": []}
+              "activation_memory_budget": args.activation_memory_budget,
+              "coordinate_descent_tuning": args.coordinate_descent_tuning, "runs": []}
 
     def save() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -151,6 +151,38 @@ def test_a_non_finite_loss_raises_before_the_optimizer_step_changes_any_weight(
     assert optimizer.param_groups[0]["lr"] == lr  # nor did the LR schedule
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-adamw", "foreach-adamw"])
+def test_a_non_finite_step_leaves_weights_and_adamw_moments_as_they_were(fused):
+    """The fused AdamW relay uses on GPUs is handed the step before the host has read the loss
+    and skips it on the device; the other optimizers step only after the check. Either way a
+    NaN changes no weight, moment or step count, and is reported by name."""
+    import torch
+
+    from trainer.stages.base import NonFiniteError, clip_and_step
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused or None)
+    x = torch.randn(5, 6)
+
+    def backward(scale: float) -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(x).pow(2).mean() * scale
+        loss.backward()
+        return loss
+
+    loss, norm = clip_and_step(1, model, optimizer, backward(1.0), max_grad_norm=1.0)
+    assert loss > 0 and 0 < norm  # a good step is taken and reported
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [{n: t.clone() for n, t in optimizer.state[p].items()} for p in model.parameters()]
+    with pytest.raises(NonFiniteError, match=r"non-finite loss=nan, grad_norm=nan at step 2;"):
+        clip_and_step(2, model, optimizer, backward(float("nan")), max_grad_norm=1.0)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    for p, before in zip(model.parameters(), moments):
+        assert all(torch.equal(before[n], optimizer.state[p][n]) for n in before)
+    assert float(optimizer.state[next(model.parameters())]["step"]) == 1.0
+
+
 # ---------------------------------------------------------------------------------------------
 # One run with W&B (offline), image conditioning and validation
 # ---------------------------------------------------------------------------------------------

@@ -194,11 +194,10 @@ def gradient_sync(model: torch.nn.Module, enabled: bool):
         model.set_requires_gradient_sync(True)
 
 
-def total_norm_value(norm: torch.Tensor) -> float:
-    """A gradient norm as a float: the full norm over every shard for FSDP2's DTensor norms."""
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return float(norm)
+def total_norm(norm: torch.Tensor) -> torch.Tensor:
+    """A gradient norm as a plain 0-d tensor: the full norm over every shard for FSDP2's
+    DTensor norms."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,12 +259,15 @@ def sum_across_ranks(values: list[float]) -> list[float]:
     return tensor.cpu().tolist()
 
 
-def mean_across_ranks(value: float) -> float:
-    """The mean of `value` over all ranks (itself in one process): a logged loss is the global
-    batch's, not rank 0's share of it."""
-    if not distributed_active():
-        return float(value)
-    return sum_across_ranks([value])[0] / dist.get_world_size()
+def mean_across_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The mean of a 0-d tensor over all ranks (itself in one process), still a tensor, so the
+    host need not wait for it: a logged loss is the global batch's, not rank 0's share."""
+    if not distributed_active() or dist.get_world_size() == 1:
+        return value
+    device = value.device
+    work = value.to(_collective_device(), torch.float64)
+    dist.all_reduce(work)
+    return (work / dist.get_world_size()).to(device)
 
 
 def gather_across_ranks(values: torch.Tensor) -> torch.Tensor:

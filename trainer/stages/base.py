@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 log = logging.getLogger("relay")
-from trainer.parallel.distributed import total_norm_value
+from trainer.parallel.distributed import mean_across_ranks, total_norm
 
 
 class NonFiniteError(RuntimeError):
-    """A loss or gradient norm that is not finite; raised before the optimizer step."""
+    """A loss or gradient norm that is not finite; raised with the optimizer step skipped."""
 
 
 @dataclass(frozen=True)
@@ -89,13 +89,41 @@ def check_finite(step: int, **values: float) -> None:
             f"saved was touched. Lower learning_rate, set max_grad_norm, or check the data.")
 
 
-def clip_and_check(step: int, model: nn.Module, loss: float, max_grad_norm: float) -> float:
-    """Clip gradients (0 = measure only) and raise if loss or norm is not finite."""
+def clip_and_step(step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                  loss: torch.Tensor, max_grad_norm: float) -> tuple[float, float]:
+    """Clip the gradients (0 = measure only) and step the optimizer; return the loss (averaged
+    over ranks) and the gradient norm as floats. Raises NonFiniteError when either is not
+    finite, with no weight or optimizer moment changed.
+
+    torch's fused AdamW (relay's optimizer on GPUs) can skip its step on the device, given a
+    `found_inf` flag as the AMP grad scaler gives it: its update is queued right behind the
+    backward pass and the host reads the two numbers afterwards, so the GPU never idles waiting
+    for the host between the two. Any other optimizer steps after the host has checked them.
+    """
     params = [p for p in model.parameters() if p.grad is not None]
     limit = max_grad_norm if max_grad_norm > 0 else float("inf")
-    norm = total_norm_value(torch.nn.utils.clip_grad_norm_(params, limit)) if params else 0.0
-    check_finite(step, loss=loss, grad_norm=norm)
-    return norm
+    norm = (total_norm(torch.nn.utils.clip_grad_norm_(params, limit)) if params
+            else torch.zeros((), device=loss.device))
+    loss = mean_across_ranks(loss.detach())
+    on_device = _skips_on_device(optimizer)
+    if on_device:
+        bad = ~(torch.isfinite(loss).to(norm.device) & torch.isfinite(norm))
+        optimizer.found_inf = bad.float()
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    loss_value, norm_value = float(loss), float(norm)
+    check_finite(step, loss=loss_value, grad_norm=norm_value)
+    if not on_device:
+        optimizer.step()
+    return loss_value, norm_value
+
+
+def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """True for torch's fused Adam/AdamW, whose kernel reads the `found_inf` flag."""
+    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and \
+        bool(optimizer.defaults.get("fused"))
 
 
 def batch_to_device(batch: dict, device: torch.device) -> dict:

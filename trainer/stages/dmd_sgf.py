@@ -30,11 +30,11 @@ from torch import nn
 
 from trainer.diffusion import flow
 from trainer.models.registry import family_of
-from trainer.parallel.distributed import max_across_ranks, mean_across_ranks
+from trainer.parallel.distributed import max_across_ranks
 from trainer.diffusion.sample_draws import SampleDraws, step_generator
 from trainer.stages import rollout as ro
 from trainer.stages.base import (Stage, WarmStartSource, autocast_context, batch_to_device,
-                                 clip_and_check)
+                                 clip_and_step)
 
 N = flow.NUM_TRAIN_TIMESTEPS
 
@@ -254,10 +254,9 @@ class DMDSGFStage(Stage):
                 batch, with_grad=True, draws=draws, exit_generator=self._exit_generator(step, 0))
             loss, stats = losses(x_hat, frame_mask, captions, draws)
         loss.backward()
-        loss_value = mean_across_ranks(float(loss.detach()))
-        grad_norm = clip_and_check(step, self.student, loss_value, args.max_grad_norm)
         optimizer = self.optimizers["student"]
-        optimizer.step()
+        loss_value, grad_norm = clip_and_step(step, self.student, optimizer, loss,
+                                              args.max_grad_norm)
         self.schedulers["student"].step()
         optimizer.zero_grad(set_to_none=True)
         self.student_updates += 1
@@ -282,10 +281,9 @@ class DMDSGFStage(Stage):
             losses = self.critic_loss_packed if packed else self.critic_loss
             loss = losses(x_hat, frame_mask, captions, draws)
         loss.backward()
-        loss_value = mean_across_ranks(float(loss.detach()))
-        grad_norm = clip_and_check(step, self.critic, loss_value, args.critic_max_grad_norm)
         optimizer = self.optimizers["critic"]
-        optimizer.step()
+        loss_value, grad_norm = clip_and_step(step, self.critic, optimizer, loss,
+                                              args.critic_max_grad_norm)
         self.schedulers["critic"].step()
         optimizer.zero_grad(set_to_none=True)
         return {"critic_loss": loss_value, "critic_grad_norm": grad_norm,

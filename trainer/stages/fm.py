@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from trainer.diffusion import flow
-from trainer.parallel.distributed import gradient_sync, mean_across_ranks
+from trainer.parallel.distributed import gradient_sync
 from trainer.diffusion.sample_draws import SampleDraws
 from trainer.models.lora_targets import lora_enabled
-from trainer.stages.base import (Stage, WarmStartSource, autocast_context, batch_to_device, clip_and_check,
+from trainer.stages.base import (Stage, WarmStartSource, autocast_context, batch_to_device, clip_and_step,
                                   learning_rates)
 
 
@@ -106,7 +106,7 @@ def fm_loss_packed(model: nn.Module, batch: dict, args, null_text: torch.Tensor,
                                           weight=weight, frame_mask=frame_mask)
         losses.append(loss)
     sigmas = torch.cat([t[3] for t in targets])
-    return torch.stack(losses).mean(), {"sigma_mean": float(sigmas.mean())}
+    return torch.stack(losses).mean(), {"sigma_mean": sigmas.mean().detach()}
 
 
 class PackedForward(nn.Module):
@@ -135,7 +135,9 @@ def fm_loss(model: nn.Module, batch: dict, args, null_text: torch.Tensor,
         draws = SampleDraws(args.seed, 0, range(b), device)
     # One fixed order of draws per sample: caption drop, sigma, conditioning, noise.
     drop = draws.uniform() < args.cfg_drop_prob
-    text, mask = drop_captions(batch["text"], batch["text_mask"], null_text, null_mask, drop)
+    text, mask = batch["text"], batch["text_mask"]
+    if args.cfg_drop_prob > 0:  # (drop_captions reads `drop` on the host)
+        text, mask = drop_captions(text, mask, null_text, null_mask, drop)
     sigma = training_sigma(draws, args, num_tokens).to(device)
     clean = sample_condition_frames(draws.uniform(), t_frames, image_prob=args.image_cond_prob,
                                     video_prob=args.video_cond_prob,
@@ -145,13 +147,18 @@ def fm_loss(model: nn.Module, batch: dict, args, null_text: torch.Tensor,
     sigma_frames = sigma[:, None] * frame_mask.float()             # clean frames at t = 0
     noise = draws.normal_like(x0)
     x_t = flow.interpolate(x0, noise, sigma_frames)
-    pred = model(x_t, flow.NUM_TRAIN_TIMESTEPS * sigma_frames, text, mask)
+    # Without clean frames every frame has the sample's time: given per sample, the model need
+    # not read the times on the host to see that they agree.
+    conditioned = args.image_cond_prob > 0 or args.video_cond_prob > 0
+    pred = model(x_t, flow.NUM_TRAIN_TIMESTEPS * (sigma_frames if conditioned else sigma), text,
+                 mask)
     weight = None
     if args.loss_weighting != "none":
         weight = flow.loss_weight(sigma, args.loss_weighting, args.train_timestep_shift)
     loss, _ = flow.flow_matching_loss(pred.float(), x0.float(), noise.float(), weight=weight,
                                       frame_mask=frame_mask)
-    return loss, {"sigma_mean": float(sigma.mean())}
+    # Diagnostics stay tensors: a host read here would stall the GPU between forward and backward.
+    return loss, {"sigma_mean": sigma.mean().detach()}
 
 
 class FlowMatchingStage(Stage):
@@ -184,7 +191,7 @@ class FlowMatchingStage(Stage):
         args = self.args
         accum = args.gradient_accumulation_steps
         optimizer = self.optimizers["transformer"]
-        total, samples, stats = 0.0, 0, []
+        total, samples, stats = None, 0, []
         for micro in range(accum):
             batch = batch_to_device(self.data.next_batch(), self.device)
             samples += len(batch["sample_index"])
@@ -193,18 +200,17 @@ class FlowMatchingStage(Stage):
                 with autocast_context(self.device, args.dtype):
                     loss, micro_stats = self.micro_batch_loss(batch, micro, self.draws(batch, step))
                 (loss / accum).backward()
-            total += float(loss.detach()) / accum
+            part = loss.detach().double() / accum  # read by the host after the update
+            total = part if total is None else total + part
             stats.append(micro_stats)
-        total = mean_across_ranks(total)
-        grad_norm = clip_and_check(step, self.model, total, args.max_grad_norm)
         lrs = learning_rates(optimizer)  # the LRs this step uses (the scheduler moves them on)
-        optimizer.step()
+        total, grad_norm = clip_and_step(step, self.model, optimizer, total, args.max_grad_norm)
         self.schedulers["transformer"].step()
         optimizer.zero_grad(set_to_none=True)
         if "transformer" in self.emas:
             self.emas["transformer"].update(self.model, step)
-        return {"loss": total, "grad_norm": grad_norm, **lrs, "samples": samples,
-                **self.merge_stats(stats)}
+        merged = {k: float(v) for k, v in self.merge_stats(stats).items()}
+        return {"loss": total, "grad_norm": grad_norm, **lrs, "samples": samples, **merged}
 
     def draws(self, batch: dict, step: int) -> SampleDraws:
         """The per-sample generators of a batch at `step`, keyed by its global sample indices."""

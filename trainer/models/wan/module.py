@@ -121,11 +121,12 @@ class FeedForward(nn.Module):
 class BlockOutput(NamedTuple):
     """A block's updated video tokens (None when only the caption's K/V were asked for), the
     self-attention (k, v) it attended with (RoPE'd; under context parallel in head space: every
-    token, this rank's heads) and the caption's cross-attention (k, v)."""
+    token, this rank's heads) and the caption's cross-attention (k, v); the two K/V pairs only
+    when asked for (`keep_kv`) or when they are all that was asked for."""
 
     x: torch.Tensor | None
     self_kv: tuple[torch.Tensor, torch.Tensor] | None
-    cross_kv: tuple[torch.Tensor, torch.Tensor]
+    cross_kv: tuple[torch.Tensor, torch.Tensor] | None
 
 
 class WanBlock(nn.Module):
@@ -146,14 +147,18 @@ class WanBlock(nn.Module):
                 self_plan: AttentionPlan | None = None, cross_plan: AttentionPlan | None = None,
                 *, context: torch.Tensor | None = None,
                 cross_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                past_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> BlockOutput:
+                past_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                keep_kv: bool = False) -> BlockOutput:
         """x [B, N, D] video tokens (under context parallel this rank's share); time_proj
         [B, S, 6, D]: the N tokens form S equal runs (S = 1: one time per sample; S = frames:
         one per patch-frame; S = N: one per token), run s modulated by slot s. The caption is
         `context` [B, L, D] (its K/V computed here) or its `cross_kv` (a cache). `past_kv`:
         committed chunks' self-attention (k, v), seen after the tokens' own keys. With x None
-        only the caption's K/V are computed (a rollout's cache). The model calls blocks only
-        through here, so FSDP2 and activation checkpointing see every call."""
+        only the caption's K/V are computed (a rollout's cache). keep_kv: also return the K/V
+        pairs; off, the compiled block has no such outputs, whose unused gradients autograd would
+        otherwise fill with zeros (four activation-sized tensors a block in every backward pass).
+        The model calls blocks only through here, so FSDP2 and activation checkpointing see
+        every call."""
         if cross_kv is None:
             cross_kv = self.attn2.keys_values(context)
         if x is None:
@@ -185,7 +190,8 @@ class WanBlock(nn.Module):
         q = self.attn2.query(h)
         x = x + self.attn2.output(attend(cross_plan, q, *cross_kv), q)
         h = modulate(self.norm3, x, c_scale, c_shift).type_as(x)
-        return BlockOutput(gated(x, self.ffn(h), c_gate), (k, v), cross_kv)
+        x = gated(x, self.ffn(h), c_gate)
+        return BlockOutput(x, (k, v), cross_kv) if keep_kv else BlockOutput(x, None, None)
 
 
 class TimestepEmbedding(nn.Module):
@@ -454,7 +460,7 @@ class WanTransformer(WanCausal, nn.Module):
         for i, block in enumerate(self.blocks):
             out = block(tokens, time_proj, rope, self_plan, cross_plan, context=context,
                         cross_kv=None if cross_kv is None else cross_kv[i],
-                        past_kv=None if past is None else past[i])
+                        past_kv=None if past is None else past[i], keep_kv=collect_kv)
             tokens = out.x
             if collect_kv:
                 collected.append((out.self_kv[0].detach(), out.self_kv[1].detach()))
