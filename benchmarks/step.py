@@ -368,7 +368,9 @@ def profile_step(step, index: int, device, top: int = 60) -> dict:
     wall = time.perf_counter() - start
     kernels: dict[str, list[float]] = {}
     for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
+        # GPU-side ranges of annotations (the optimizer's step) span kernels counted already
+        if event.device_type == torch.autograd.DeviceType.CUDA and \
+                not getattr(event, "is_user_annotation", False):
             entry = kernels.setdefault(event.name, [0.0, 0])
             entry[0] += event.device_time_total / 1e6 if hasattr(event, "device_time_total") \
                 else event.cuda_time_total / 1e6

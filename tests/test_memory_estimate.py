@@ -222,7 +222,7 @@ _H5120 = {"num_attention_heads": 40, "attention_head_dim": 128, "ffn_dim": 13824
 @pytest.mark.parametrize("overrides, settings, measured", [
     # benchmarks/step.py --size wan-1.3b, relay-wan (docs/performance.md;
     # benchmarks/results/step-wan1.3b-wan-family-h200.json): AdamW, no EMA, no checkpointing
-    ({}, dict(stage="fm", use_ema=False, checkpointing=False, video_tokens=32760), 67.7),
+    ({}, dict(stage="fm", use_ema=False, checkpointing=False, video_tokens=32760), 67.6),
     # benchmarks/step.py --size h5120-8k, relay-wan (docs/performance.md;
     # benchmarks/results/step-wan-h5120-8k-h200.json): 8,190 video tokens, same settings
     (_H5120, dict(stage="fm", use_ema=False, checkpointing=False, video_tokens=8190), 46.2),
