@@ -181,13 +181,16 @@ def summarise(run: Path, first_step: int, last_step: int, warmup: int) -> dict:
                "validation_files": sorted(str(p.relative_to(run)) for p in run.rglob("*.mp4"))}
     if any("student_updates" in r for r in timed):
         # Stage2: a student update rolls out with grad and scores with teacher and critic on top
-        # of the critic's update, so its steps are timed apart from the critic-only ones
+        # of the critic's update, so its steps are timed apart from the critic-only ones. The
+        # run's first student update compiles the student's graphs: never a warm figure.
         updates = {r["step"]: r["student_updates"] for r in records if "student_updates" in r}
-        is_student = [updates[r["step"]] > updates.get(r["step"] - 1, 0) for r in timed]
+        student_steps = [r["step"] for r in steps
+                         if updates[r["step"]] > updates.get(r["step"] - 1, 0)]
+        warm_students = set(student_steps[1:])
         summary["median_student_step_s"] = _median(
-            [r["step_time_s"] for r, yes in zip(timed, is_student) if yes])
+            [r["step_time_s"] for r in timed if r["step"] in warm_students])
         summary["median_critic_step_s"] = _median(
-            [r["step_time_s"] for r, yes in zip(timed, is_student) if not yes])
+            [r["step_time_s"] for r in timed if r["step"] not in student_steps])
     return summary
 
 
