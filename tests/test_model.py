@@ -550,3 +550,29 @@ def test_qk_norm_runs_in_the_input_dtype_under_autocast():
     assert normed.dtype == torch.bfloat16
     torch.testing.assert_close(q.float(), F.rms_norm(block.qkv(block.norm1(h)).unflatten(-1, (3, 2, -1))[:, :, 0],
                                                      (8,), block.q_norm.weight, 1e-6), rtol=2e-2, atol=2e-2)
+
+
+
+def test_a_block_returns_the_video_kv_only_when_asked(monkeypatch):
+    # Training never reads a block's video K/V; a compiled block that returned them anyway would
+    # have autograd fill their unused gradients with zeros in every backward pass. A rollout's
+    # cache asks for them.
+    model = tiny(causal_chunk_size=2)
+    returned = []
+    original = DiTBlock.forward
+
+    def spy(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if out.vid is not None:
+            returned.append(out.video_kv)
+        return out
+
+    monkeypatch.setattr(DiTBlock, "forward", spy)
+    x, t, text = inputs()
+    model(x, t, text)
+    assert returned == [None, None]
+    returned.clear()
+    cache = model.new_kv_cache(text, torch.ones(B, L, dtype=torch.bool))
+    model.commit_chunk(x[:, :, :2], cache, 0)
+    assert [k.shape for k, _ in returned] == [(B, 8, 2, 8)] * 2
+    assert torch.equal(cache.chunks[0][0][0], returned[0][0])

@@ -169,7 +169,8 @@ def _by_group(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 class BlockOutput(NamedTuple):
-    """What a block returns: updated streams and the K/V (RoPE'd for video) it attended with."""
+    """What a block returns: updated streams and the K/V it attended with: the text's whenever
+    the text stream ran, the video's (RoPE'd) only when asked for (`keep_kv`)."""
 
     txt: torch.Tensor | None
     vid: torch.Tensor | None
@@ -229,8 +230,11 @@ class DiTBlock(nn.Module):
         return txt, k, v
 
     def forward_video(self, vid: torch.Tensor, mod: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                      prefix_k: torch.Tensor, prefix_v: torch.Tensor, plan: AttentionPlan):
-        """Video stream over keys [own video | prefix]: (updated video, k, v), k with RoPE.
+                      prefix_k: torch.Tensor, prefix_v: torch.Tensor, plan: AttentionPlan,
+                      keep_kv: bool = False):
+        """Video stream over keys [own video | prefix]: (updated video, k, v), k with RoPE; k
+        and v are None unless keep_kv. Off, the compiled method has no such outputs, whose
+        unused gradients autograd would otherwise fill with zeros in every backward pass.
 
         mod: [B, G, 6D], one modulation per group of N / G consecutive tokens (G = 1: per
         sample; G = frames: per frame), broadcast over the group rather than copied per token.
@@ -254,20 +258,22 @@ class DiTBlock(nn.Module):
             out = self.ulysses.to_tokens(out)
         x = x + gate1 * _by_group(self.proj(out.flatten(-2)), groups)
         x = x + gate2 * self.mlp(self.norm2(x) * (1 + scale2) + shift2)
-        return x.flatten(1, 2), k, v
+        return (x.flatten(1, 2), k, v) if keep_kv else (x.flatten(1, 2), None, None)
 
     def forward(self, txt: torch.Tensor | None, vid: torch.Tensor | None, *,
                 text_plan: AttentionPlan | None = None, video_plan: AttentionPlan | None = None,
                 need_text_output: bool = True, mod: torch.Tensor | None = None,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                past_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> BlockOutput:
+                past_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                keep_kv: bool = False) -> BlockOutput:
         """One block over the text stream, the video stream, or both.
 
         The video's key prefix is past_kv (cached [committed chunks | text]) when given, else
         this call's text K/V. The model calls blocks only through here, so FSDP2 and activation
         checkpointing, which hook `forward`, see every call; the two stream methods stay
         separately compilable (trainer/warmup.py). Returns BlockOutput; streams not given (and
-        the text output when need_text_output is False) come back as None.
+        the text output when need_text_output is False) come back as None, and so does the
+        video's K/V unless keep_kv (a rollout's cache).
         Raises ValueError when video is given without any prefix.
         """
         text_kv = None
@@ -279,8 +285,9 @@ class DiTBlock(nn.Module):
             prefix = past_kv if past_kv is not None else text_kv
             if prefix is None:
                 raise ValueError("the video stream needs a key prefix: text tokens or a cache")
-            vid, k, v = self.forward_video(vid, mod, rope, prefix[0], prefix[1], video_plan)
-            video_kv = (k, v)
+            vid, k, v = self.forward_video(vid, mod, rope, prefix[0], prefix[1], video_plan,
+                                           keep_kv)
+            video_kv = (k, v) if keep_kv else None
         return BlockOutput(txt, vid, text_kv, video_kv)
 
 
@@ -616,7 +623,7 @@ class VideoDiT(nn.Module):
                 mod = mod.index_select(1, slot_of_group)
             out = block(txt, vid, text_plan=text_plan, video_plan=video_plan,
                         need_text_output=i + 1 < len(self.blocks), mod=mod, rope=rope,
-                        past_kv=None if past is None else past[i])
+                        past_kv=None if past is None else past[i], keep_kv=collect_kv)
             txt, vid = out.txt, out.vid
             if collect_kv:
                 collected.append((out.video_kv[0].detach(), out.video_kv[1].detach()))
