@@ -22,6 +22,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # Also declared in pyproject.toml; registering here keeps the fixtures self-contained.
     config.addinivalue_line("markers", "slurm: needs the local Slurm cluster (slurm/local/start.sh)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    # Without a GPU, relay's Triton kernels (trainer/models/triton_kernels.py) run in Triton's
+    # interpreter on CPU tensors (tests/test_fused_ops.py). Triton reads the switch when it is
+    # first imported, so it is set here, before any test module is.
+    if not Path("/dev/nvidiactl").exists():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

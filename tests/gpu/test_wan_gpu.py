@@ -129,3 +129,30 @@ def test_compiled_causal_wan_blocks_give_the_eager_teacher_forcing_gradients():
                       if p.grad is not None})
     worst = max(grads[0], key=lambda n: _rel(grads[1][n], grads[0][n]))
     assert _rel(grads[1][worst], grads[0][worst]) < 5e-2, worst
+
+
+def test_fused_kernels_give_the_composite_gradients_in_bf16(monkeypatch):
+    """The fused q/k RMSNorm + RoPE and GELU-backward kernels, in compiled blocks, against the
+    composite torch code of the same model (trainer/models/fused_ops.py), and that the GPU
+    does take them."""
+    from trainer.models import fused_ops
+    from trainer.models.wan import module as wan_module
+
+    assert fused_ops.fused_kernels_apply(torch.zeros(1, device=DEVICE, dtype=torch.bfloat16))
+    _, fused = _pair()
+    composite = copy.deepcopy(fused)
+    x, t, text = _inputs()
+    grads, outs = [], []
+    for model, on in ((composite, False), (fused, True)):
+        monkeypatch.setattr(wan_module, "fused_kernels_apply", lambda tensor, on=on: on)
+        torch._dynamo.reset()
+        model.compile_blocks()
+        model.train().zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(x, t, text)
+        out.float().square().mean().backward()
+        outs.append(out.detach().float())
+        grads.append({n: p.grad.float() for n, p in model.named_parameters()})
+    assert _rel(outs[1], outs[0]) < 1e-2, _rel(outs[1], outs[0])
+    worst = max(grads[0], key=lambda n: _rel(grads[1][n], grads[0][n]))
+    assert _rel(grads[1][worst], grads[0][worst]) < 3e-2, (worst, _rel(grads[1][worst], grads[0][worst]))

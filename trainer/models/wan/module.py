@@ -52,6 +52,7 @@ from trainer.models.attention import AttentionPlan, ChunkLayout, attend, block_c
     plan_attention, plan_packed
 from trainer.models.dit.module import (HeadRMSNorm, apply_rope, grid_positions, rope_tables,
                                        timestep_features)
+from trainer.models.fused_ops import composite_norm_rope, fused_kernels_apply, norm_rope
 from trainer.models.wan.causal import WanCausal
 from trainer.models.wan.config import WAN_DEFAULTS, rope_axes, wan_geometry
 
@@ -96,8 +97,25 @@ class WanAttention(nn.Module):
         return (self.norm_k(self.to_k(x)).unflatten(2, (self.heads, -1)),
                 self.to_v(x).unflatten(2, (self.heads, -1)))
 
+    def rotated_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Self-attention's q and k (RMSNorm'd, then RoPE'd by cos/sin [N, head_dim / 2]) and
+        v [B, N, heads, head_dim] of tokens x [B, N, D]. On a GPU the backward of the norm and
+        the rotation is one kernel (trainer.models.fused_ops.norm_rope)."""
+        q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
+        rotate = norm_rope if fused_kernels_apply(q) and cos.dtype == torch.float32 \
+            else composite_norm_rope
+        q, k = (rotate(t, norm.weight.to(t.dtype), _eps(norm, t), cos, sin, self.heads)
+                for t, norm in ((q, self.norm_q), (k, self.norm_k)))
+        return q, k, v.unflatten(2, (self.heads, -1))
+
     def output(self, out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return self.to_out[0](out.flatten(2).type_as(like))
+
+
+def _eps(norm: nn.RMSNorm, x: torch.Tensor) -> float:
+    """The epsilon F.rms_norm uses for `norm` on x (its own, or x's dtype's when None)."""
+    return norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
 
 
 class GeluProjection(nn.Module):
@@ -175,9 +193,7 @@ class WanBlock(nn.Module):
                     ).flatten(1, 2).type_as(h)
 
         h = modulate(self.norm1, x, scale, shift).type_as(x)
-        q = self.attn1.query(h)
-        k, v = self.attn1.keys_values(h)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = self.attn1.rotated_qkv(h, *rope)
         if self.ulysses is not None:
             q, k, v = (self.ulysses.to_heads(a) for a in (q, k, v))
         keys, values = (k, v) if past_kv is None else (torch.cat([k, past_kv[0]], dim=1),

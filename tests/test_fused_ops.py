@@ -1,0 +1,89 @@
+"""q/k RMSNorm + RoPE with its fused Triton backward (trainer/models/fused_ops.py) against the
+torch code it replaces, run on the CPU through Triton's interpreter (tests/conftest.py turns it
+on where there is no GPU): gradients in float32, the registered backward operator through
+torch.library.opcheck, and a whole Wan model whose blocks take the fused path against the same
+model on the composite path. On a GPU, tests/gpu/test_wan_gpu.py compares compiled bf16 blocks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("a GPU machine: tests/gpu/test_wan_gpu.py runs the kernels", allow_module_level=True)
+
+from trainer.models import fused_ops  # noqa: E402
+from trainer.models.wan import module as wan_module  # noqa: E402
+from trainer.models.wan.family import WanFamily  # noqa: E402
+
+TIGHT = dict(rtol=1e-5, atol=1e-5)
+
+
+def _angles(n, half, seed):
+    angle = torch.randn(n, half, generator=torch.Generator().manual_seed(seed)) * 3
+    return angle.cos(), angle.sin()
+
+
+# 3 heads of 64: 192 channels, not a power of two (the kernel masks the tile's rest), and 600
+# rows, which two programs share (512 rows each at this width), the second one in part
+@pytest.mark.parametrize("batch, tokens, heads, head_dim", [(2, 300, 3, 64), (1, 5, 2, 16)])
+def test_the_fused_backward_gives_the_composite_gradients(batch, tokens, heads, head_dim):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, tokens, heads * head_dim, generator=g).requires_grad_()
+    weight = (1 + 0.3 * torch.randn(heads * head_dim, generator=g)).requires_grad_()
+    cos, sin = _angles(tokens, head_dim // 2, 1)
+    fused = fused_ops.norm_rope(x, weight, 1e-6, cos, sin, heads)
+    composite = fused_ops.composite_norm_rope(x, weight, 1e-6, cos, sin, heads)
+    torch.testing.assert_close(fused, composite, rtol=0, atol=0)  # the same torch code
+    dy = torch.randn(fused.shape, generator=g)
+    got = torch.autograd.grad(fused, (x, weight), dy)
+    want = torch.autograd.grad(composite, (x, weight), dy)
+    torch.testing.assert_close(got[0], want[0], **TIGHT)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-4)  # a sum over 600 rows
+
+
+def test_the_backward_operator_passes_opcheck():
+    """Schema, fake (meta) kernel and registration as torch.compile relies on them."""
+    g = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(2, 6, 16, generator=g), torch.randn(16, generator=g)
+    cos, sin = _angles(6, 4, 1)
+    torch.library.opcheck(torch.ops.relay.norm_rope_backward,
+                          (torch.randn(2, 6, 16, generator=g), x, weight, cos, sin, 1e-6))
+
+
+def test_a_wan_model_on_the_fused_path_equals_the_composite_path(monkeypatch):
+    """The whole module's wiring: which weights, eps, head split and bias the kernels get."""
+    tiny = {"patch_size": [1, 2, 2], "num_attention_heads": 2, "attention_head_dim": 8,
+            "in_channels": 4, "out_channels": 4, "text_dim": 16, "freq_dim": 32, "ffn_dim": 32,
+            "num_layers": 2, "eps": 1e-5}
+    family = WanFamily()
+    torch.manual_seed(0)
+    model = family.build(family.config(tiny))
+    with torch.no_grad():  # weights away from their initial ones, so each one's use shows
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 4, 3, 4, 6, generator=g)
+    text = torch.randn(2, 5, 16, generator=g)
+    t = torch.tensor([700.0, 80.0])
+    results = []
+    for fused in (False, True):
+        monkeypatch.setattr(wan_module, "fused_kernels_apply", lambda tensor, on=fused: on)
+        model.zero_grad(set_to_none=True)
+        out = model(x, t, text)
+        out.square().mean().backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (out_c, grads_c), (out_f, grads_f) = results
+    torch.testing.assert_close(out_f, out_c, **TIGHT)
+    assert grads_f.keys() == grads_c.keys()
+    for name in grads_c:
+        torch.testing.assert_close(grads_f[name], grads_c[name], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_cpu_tensors_keep_the_composite_path():
+    assert not fused_ops.fused_kernels_apply(torch.zeros(2))

@@ -1,0 +1,87 @@
+"""q/k RMSNorm + RoPE whose backward is one Triton kernel (trainer/models/triton_kernels.py).
+
+`norm_rope(x, weight, eps, cos, sin, heads)`: RMSNorm of x across all heads, then RoPE on each
+head's channel pairs. The forward is the same torch code as the composite path, so Inductor
+fuses it and the compile partitioner may recompute it rather than save it, exactly as before:
+peak memory does not change. The backward is `relay::norm_rope_backward`, one kernel that also
+sums the weight gradient, where Inductor's fused reduction ran several times below memory
+bandwidth (at the Wan2.1-1.3B size on an H200: 0.81 -> 0.17 ms a layer, docs/performance.md).
+
+The kernel computes in float32 and rounds once, where the composite backward rounds between
+steps, so the two agree to the input dtype's rounding (tests/test_fused_ops.py holds them equal
+in float32 under Triton's interpreter; tests/gpu/test_wan_gpu.py in bf16 on a GPU).
+`fused_kernels_apply(x)` says whether a tensor takes this path: on CUDA with triton present.
+The kernel's module is imported at the first call, so this one imports without triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from trainer.models.dit.module import apply_rope
+
+
+def _kernels():
+    from trainer.models import triton_kernels
+
+    return triton_kernels
+
+
+@functools.cache
+def _triton_present() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def fused_kernels_apply(x: Tensor) -> bool:
+    """Whether x takes the fused kernel: a CUDA tensor with triton installed (it ships with
+    torch's CUDA builds). Elsewhere (CPU runs, float64 tests) the composite torch code runs."""
+    return x.is_cuda and x.dtype != torch.float64 and _triton_present()
+
+
+def composite_norm_rope(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor,
+                        heads: int) -> Tensor:
+    """RoPE(RMSNorm(x) * weight) in torch ops, [B, N, heads * head_dim] -> [B, N, heads,
+    head_dim]."""
+    return apply_rope(F.rms_norm(x, (x.shape[-1],), weight, eps).unflatten(2, (heads, -1)), cos, sin)
+
+
+@torch.library.custom_op("relay::norm_rope_backward", mutates_args=())
+def _norm_rope_backward(dy: Tensor, x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor,
+                        eps: float) -> tuple[Tensor, Tensor]:
+    dx, dweight = _kernels().norm_rope_backward(dy.contiguous(), x.contiguous(),
+                                                weight.contiguous(), cos.contiguous(),
+                                                sin.contiguous(), eps)
+    return dx, dweight.to(weight.dtype)
+
+
+@_norm_rope_backward.register_fake
+def _(dy, x, weight, cos, sin, eps):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+class _NormRope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor,
+                heads: int) -> Tensor:
+        ctx.save_for_backward(x, weight, cos, sin)
+        ctx.eps = eps
+        return composite_norm_rope(x, weight, eps, cos, sin, heads)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, weight, cos, sin = ctx.saved_tensors
+        dx, dweight = _norm_rope_backward(dy.flatten(2), x, weight, cos, sin, ctx.eps)
+        return dx, dweight, None, None, None, None
+
+
+def norm_rope(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor,
+              heads: int) -> Tensor:
+    """RoPE(RMSNorm(x) * weight) of x [B, N, heads * head_dim] as [B, N, heads, head_dim]: the
+    norm over all channels, then each head's consecutive channel pairs rotated by token n's
+    angles cos/sin [N, head_dim / 2] (float32); weight in x's dtype."""
+    return _NormRope.apply(x, weight, eps, cos, sin, heads)
