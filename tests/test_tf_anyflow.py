@@ -321,11 +321,13 @@ def test_rescale_gives_each_non_diffusion_loss_the_diffusion_mean_and_scales_its
 
 
 def test_rescale_is_the_identity_without_a_finite_diffusion_reference():
-    losses = torch.tensor([2.0, 3.0])
-    assert adaptive_rescale(losses, torch.tensor([False, False]))[0] is losses
+    losses = torch.tensor([2.0, 3.0], requires_grad=True)
+    out, mean_d = adaptive_rescale(losses, torch.tensor([False, False]))
+    assert torch.equal(out, losses) and mean_d.isnan()
+    assert torch.equal(torch.autograd.grad(out.sum(), losses)[0], torch.ones(2))
     inf_ref = torch.tensor([float("inf"), 3.0])
     out, mean_d = adaptive_rescale(inf_ref, torch.tensor([True, False]))
-    assert mean_d is None and torch.equal(out, inf_ref)
+    assert mean_d.isnan() and torch.equal(out, inf_ref)
 
 
 def test_rescale_reference_is_gathered_over_all_ranks():

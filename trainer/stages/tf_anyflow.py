@@ -277,34 +277,35 @@ def masked_mean_square(residual: torch.Tensor, frame_mask: torch.Tensor | None =
 
 def adaptive_rescale(losses: torch.Tensor, is_diffusion: torch.Tensor, *,
                      gather: Callable[[torch.Tensor], torch.Tensor] = gather_across_ranks,
-                     eps: float = RESCALE_EPS) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     eps: float = RESCALE_EPS) -> tuple[torch.Tensor, torch.Tensor]:
     """Rescale non-diffusion per-sample losses toward the mean diffusion loss ("Batch reduction").
 
     mean_d = mean of the finite diffusion losses over all ranks (gathered, detached). Diffusion
     samples are returned unchanged; every other L_i becomes L_i * sg(mean_d / (L_i + eps)), so
     its value is ~mean_d and its gradient (mean_d / (L_i + eps)) grad L_i. Identity when no
-    finite diffusion reference exists anywhere. Returns (losses [B], mean_d or None).
+    finite diffusion reference exists anywhere. Returns (losses [B], mean_d), mean_d NaN when
+    there is no reference. Masked sums, not boolean indexing: nothing here makes the host wait
+    for the GPU, which runs the backward pass right behind the forward.
     """
     all_losses = gather(losses.detach())
-    all_diffusion = gather(is_diffusion.to(torch.float32)) > 0.5
-    reference = all_losses[all_diffusion]
-    reference = reference[torch.isfinite(reference)]
-    if reference.numel() == 0:
-        return losses, None
-    mean_d = reference.mean().to(losses)
+    usable = (gather(is_diffusion.to(torch.float32)) > 0.5) & torch.isfinite(all_losses)
+    count = usable.sum()
+    found = count > 0
+    mean_d = (torch.where(usable, all_losses, 0.0).sum() / count.clamp(min=1)).to(losses)
     scale = mean_d / (losses.detach() + eps)
     scale = torch.where(torch.isfinite(scale), scale, torch.ones_like(scale))
-    return torch.where(is_diffusion, losses, losses * scale), mean_d
+    rescaled = torch.where(is_diffusion | ~found, losses, losses * scale)
+    return rescaled, torch.where(found, mean_d, torch.full_like(mean_d, float("nan")))
 
 
 def reduce_anyflow_losses(losses: torch.Tensor, is_diffusion: torch.Tensor,
                           time_weight: torch.Tensor, *,
                           gather: Callable[[torch.Tensor], torch.Tensor] = gather_across_ranks
-                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch loss mean_i(rescaled L_i * w_time_i): rescale first, then the time weight
     (SolarWM order, "Batch reduction"; NVlabs weights first, which cancels the weight of rescaled samples).
 
-    Returns (loss, mean_d or None) as adaptive_rescale.
+    Returns (loss, mean_d) as adaptive_rescale.
     """
     rescaled, mean_d = adaptive_rescale(losses, is_diffusion, gather=gather)
     return (rescaled * time_weight.to(rescaled)).mean(), mean_d
@@ -390,7 +391,7 @@ def anyflow_batch_loss(u_model: nn.Module, batch: dict, args, null_text: torch.T
     weight = flow.loss_weight((t_raw / N).float(), args.loss_weighting,
                               pair_shift(args, num_tokens))
     loss, mean_d = reduce_anyflow_losses(losses, kind == DIFFUSION, weight)
-    return loss, _kind_stats(losses.detach(), kind, mean_d)
+    return loss, _kind_stats(losses.detach(), pairs.kind, mean_d)
 
 
 class TeacherForcingPackedForward(nn.Module):
@@ -460,16 +461,19 @@ def anyflow_pack_loss(u_model: nn.Module, batch: dict, args, null_text: torch.Te
     losses = torch.cat([masked_mean_square(res, m) for res, m in zip(residuals, frame_masks)])
     kind = kinds.to(device)
     loss, mean_d = reduce_anyflow_losses(losses, kind == DIFFUSION, torch.cat(weights))
-    return loss, _kind_stats(losses.detach(), kind, mean_d)
+    return loss, _kind_stats(losses.detach(), kinds, mean_d)
 
 
-def _kind_stats(losses: torch.Tensor, kind: torch.Tensor, mean_d) -> dict:
+def _kind_stats(losses: torch.Tensor, kinds: torch.Tensor, mean_d: torch.Tensor) -> dict:
+    """Per-kind sums of the losses [B] as 0-d device tensors and counts as ints (kinds [B] lives
+    on the host), and mean_d: nothing here makes the host wait for the GPU, which then runs the
+    backward pass without a gap; the step reads them after the update (_merge_stats)."""
     stats = {}
     for code, name in KIND_NAMES.items():
-        pick = losses[kind == code]
-        stats[f"sum_{name}"] = float(pick.sum())
-        stats[f"count_{name}"] = int(pick.numel())
-    stats["mean_d"] = None if mean_d is None else float(mean_d)
+        picked = kinds == code
+        stats[f"sum_{name}"] = (losses * picked.to(losses.device, losses.dtype)).sum()
+        stats[f"count_{name}"] = int(picked.sum())
+    stats["mean_d"] = mean_d.detach()
     return stats
 
 
@@ -534,14 +538,15 @@ def _merge_stats(stats: list[dict]) -> dict:
     diffusion samples.
     """
     names = list(KIND_NAMES.values())
-    totals = sum_across_ranks([sum(s[f"{part}_{name}"] for s in stats)
-                                for name in names for part in ("sum", "count")])
+    sums = torch.stack([sum(s[f"sum_{name}"] for s in stats) for name in names])
+    counts = [sum(s[f"count_{name}"] for s in stats) for name in names]
+    totals = sum_across_ranks([*sums.double().tolist(), *counts])
     out = {}
     for i, name in enumerate(names):
-        total, count = totals[2 * i], totals[2 * i + 1]
+        total, count = totals[i], totals[len(names) + i]
         if count:
             out[f"loss_{name}"] = total / count
-    refs = [s["mean_d"] for s in stats if s["mean_d"] is not None]
+    refs = [float(s["mean_d"]) for s in stats if not s["mean_d"].isnan()]
     if refs:
         out["diffusion_reference"] = sum(refs) / len(refs)
     return out
