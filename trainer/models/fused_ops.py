@@ -16,7 +16,6 @@ The kernel's module is imported at the first call, so this one imports without t
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 
 import torch
@@ -32,15 +31,14 @@ def _kernels():
     return triton_kernels
 
 
-@functools.cache
-def _triton_present() -> bool:
-    return importlib.util.find_spec("triton") is not None
+# Looked up once here: inside a compiled block the lookup would break the graph in two.
+TRITON_PRESENT = importlib.util.find_spec("triton") is not None
 
 
 def fused_kernels_apply(x: Tensor) -> bool:
     """Whether x takes the fused kernel: a CUDA tensor with triton installed (it ships with
     torch's CUDA builds). Elsewhere (CPU runs, float64 tests) the composite torch code runs."""
-    return x.is_cuda and x.dtype != torch.float64 and _triton_present()
+    return x.is_cuda and x.dtype != torch.float64 and TRITON_PRESENT
 
 
 def composite_norm_rope(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor,
@@ -70,12 +68,12 @@ class _NormRope(torch.autograd.Function):
                 heads: int) -> Tensor:
         ctx.save_for_backward(x, weight, cos, sin)
         ctx.eps = eps
-        return composite_norm_rope(x, weight, eps, cos, sin, heads)
+        return composite_norm_rope(x, weight, eps, cos, sin, heads).flatten(2)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, weight, cos, sin = ctx.saved_tensors
-        dx, dweight = _norm_rope_backward(dy.flatten(2), x, weight, cos, sin, ctx.eps)
+        dx, dweight = _norm_rope_backward(dy, x, weight, cos, sin, ctx.eps)
         return dx, dweight, None, None, None, None
 
 
@@ -84,4 +82,4 @@ def norm_rope(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor,
     """RoPE(RMSNorm(x) * weight) of x [B, N, heads * head_dim] as [B, N, heads, head_dim]: the
     norm over all channels, then each head's consecutive channel pairs rotated by token n's
     angles cos/sin [N, head_dim / 2] (float32); weight in x's dtype."""
-    return _NormRope.apply(x, weight, eps, cos, sin, heads)
+    return _NormRope.apply(x, weight, eps, cos, sin, heads).unflatten(2, (heads, -1))
