@@ -87,3 +87,4 @@ def test_a_wan_model_on_the_fused_path_equals_the_composite_path(monkeypatch):
 
 def test_cpu_tensors_keep_the_composite_path():
     assert not fused_ops.fused_kernels_apply(torch.zeros(2))
+
