@@ -5,7 +5,7 @@ head's channel pairs. The forward is the same torch code as the composite path, 
 fuses it and the compile partitioner may recompute it rather than save it, exactly as before:
 peak memory does not change. The backward is `relay::norm_rope_backward`, one kernel that also
 sums the weight gradient, where Inductor's fused reduction ran several times below memory
-bandwidth (at the Wan2.1-1.3B size on an H200: 0.81 -> 0.17 ms a layer, docs/performance.md).
+bandwidth (docs/performance.md).
 
 The kernel computes in float32 and rounds once, where the composite backward rounds between
 steps, so the two agree to the input dtype's rounding (tests/test_fused_ops.py holds them equal

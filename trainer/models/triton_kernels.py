@@ -2,9 +2,9 @@
 
 Inductor folds the column sum of the norm's weight gradient (a sum over all tokens) into the
 row-wise backward kernel, and that fused reduction runs far below memory bandwidth: 0.81 ms a
-layer for q and k at the Wan2.1-1.3B shape on an H200, against about 0.15 ms of traffic. Here
-each program takes a fixed run of rows and keeps its share of the column sum in registers,
-writing one partial row the caller adds up: 0.17 ms for the same work (docs/performance.md).
+layer for q and k together at the Wan2.1-1.3B shape on an H200, where their memory traffic
+needs about 0.15 ms. Here each program takes a fixed run of rows and keeps its share of the
+column sum in registers, writing one partial row the caller adds up.
 
 Importing this module imports triton; fused_ops imports it at the first call. The launcher
 takes any tensors triton can address, so under TRITON_INTERPRET=1 it runs on CPU tensors (the
