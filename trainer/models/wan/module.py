@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from trainer.models.attention import AttentionPlan, ChunkLayout, attend, block_causal_mask, \
     plan_attention, plan_packed
-from trainer.models.dit.module import (HeadRMSNorm, apply_rope, grid_positions, rope_tables,
+from trainer.models.dit.module import (HeadRMSNorm, grid_positions, rope_tables,
                                        timestep_features)
 from trainer.models.fused_ops import composite_norm_rope, fused_kernels_apply, norm_rope
 from trainer.models.wan.causal import WanCausal
