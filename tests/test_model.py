@@ -552,7 +552,6 @@ def test_qk_norm_runs_in_the_input_dtype_under_autocast():
                                                      (8,), block.q_norm.weight, 1e-6), rtol=2e-2, atol=2e-2)
 
 
-
 def test_a_block_returns_the_video_kv_only_when_asked(monkeypatch):
     # Training never reads a block's video K/V; a compiled block that returned them anyway would
     # have autograd fill their unused gradients with zeros in every backward pass. A rollout's
