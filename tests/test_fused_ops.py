@@ -1,6 +1,6 @@
-"""q/k RMSNorm + RoPE with its fused Triton backward (trainer/models/fused_ops.py) against the
-torch code it replaces, run on the CPU through Triton's interpreter (tests/conftest.py turns it
-on where there is no GPU): gradients in float32, the registered backward operator through
+"""q/k RMSNorm + RoPE as fused Triton kernels (trainer/models/fused_ops.py) against the torch
+code they replace, run on the CPU through Triton's interpreter (tests/conftest.py turns it on
+where there is no GPU): output and gradients in float32, both registered operators through
 torch.library.opcheck, a whole Wan model whose blocks take the fused path against the same
 model on the composite path, and a block compiled whole (no graph break) on that path. On a
 GPU, tests/gpu/test_wan_gpu.py compares compiled bf16 blocks."""
@@ -29,17 +29,17 @@ def _angles(n, half, seed):
     return angle.cos(), angle.sin()
 
 
-# 3 heads of 64: 192 channels, not a power of two (the kernel masks the tile's rest), and 600
-# rows, which two programs share (512 rows each at this width), the second one in part
+# 3 heads of 64: 192 channels, not a power of two (the kernels mask the tile's rest), and 600
+# rows, which three backward programs share (256 rows each at this width), the last in part
 @pytest.mark.parametrize("batch, tokens, heads, head_dim", [(2, 300, 3, 64), (1, 5, 2, 16)])
-def test_the_fused_backward_gives_the_composite_gradients(batch, tokens, heads, head_dim):
+def test_the_fused_kernels_give_the_composite_output_and_gradients(batch, tokens, heads, head_dim):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, tokens, heads * head_dim, generator=g).requires_grad_()
     weight = (1 + 0.3 * torch.randn(heads * head_dim, generator=g)).requires_grad_()
     cos, sin = _angles(tokens, head_dim // 2, 1)
     fused = fused_ops.norm_rope(x, weight, 1e-6, cos, sin, heads)
     composite = fused_ops.composite_norm_rope(x, weight, 1e-6, cos, sin, heads)
-    torch.testing.assert_close(fused, composite, rtol=0, atol=0)  # the same torch code
+    torch.testing.assert_close(fused, composite, **TIGHT)
     dy = torch.randn(fused.shape, generator=g)
     got = torch.autograd.grad(fused, (x, weight), dy)
     want = torch.autograd.grad(composite, (x, weight), dy)
@@ -47,13 +47,16 @@ def test_the_fused_backward_gives_the_composite_gradients(batch, tokens, heads, 
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-4)  # a sum over 600 rows
 
 
-def test_the_backward_operator_passes_opcheck():
-    """Schema, fake (meta) kernel and registration as torch.compile relies on them."""
+def test_the_operators_pass_opcheck():
+    """Schema, fake (meta) kernels, autograd registration as torch.compile relies on them."""
     g = torch.Generator().manual_seed(0)
-    x, weight = torch.randn(2, 6, 16, generator=g), torch.randn(16, generator=g)
+    x = torch.randn(2, 6, 16, generator=g).requires_grad_()
+    weight = torch.randn(16, generator=g).requires_grad_()
     cos, sin = _angles(6, 4, 1)
+    torch.library.opcheck(torch.ops.relay.norm_rope_forward, (x, weight, cos, sin, 1e-6))
     torch.library.opcheck(torch.ops.relay.norm_rope_backward,
-                          (torch.randn(2, 6, 16, generator=g), x, weight, cos, sin, 1e-6))
+                          (torch.randn(2, 6, 16, generator=g), x.detach(), weight.detach(), cos,
+                           sin, 1e-6))
 
 
 def test_a_wan_model_on_the_fused_path_equals_the_composite_path(monkeypatch):

@@ -132,7 +132,7 @@ def test_compiled_causal_wan_blocks_give_the_eager_teacher_forcing_gradients():
 
 
 def test_fused_kernels_give_the_composite_gradients_in_bf16(monkeypatch):
-    """The fused q/k RMSNorm + RoPE backward, in compiled blocks, against the composite torch
+    """The fused q/k RMSNorm + RoPE kernels, in compiled blocks, against the composite torch
     code of the same model (trainer/models/fused_ops.py), and that the GPU does take it."""
     from trainer.models import fused_ops
     from trainer.models.wan import module as wan_module

@@ -1,17 +1,18 @@
-"""q/k RMSNorm + RoPE whose backward is one Triton kernel (trainer/models/triton_kernels.py).
+"""q/k RMSNorm + RoPE as two Triton kernels (trainer/models/triton_kernels.py), forward and backward.
 
 `norm_rope(x, weight, eps, cos, sin, heads)`: RMSNorm of x across all heads, then RoPE on each
-head's channel pairs. The forward is the same torch code as the composite path, so Inductor
-fuses it and the compile partitioner may recompute it rather than save it, exactly as before:
-peak memory does not change. The backward is `relay::norm_rope_backward`, one kernel that also
-sums the weight gradient, where Inductor's fused reduction ran several times below memory
-bandwidth (docs/performance.md).
+head's channel pairs. The forward is `relay::norm_rope_forward`, one pass over the rows; the
+backward `relay::norm_rope_backward`, one kernel that also sums the weight gradient, where
+Inductor's fused reduction ran several times below memory bandwidth (docs/performance.md). As
+registered operators they are single nodes of a compiled block; the partitioner saves the
+forward's input for the backward, which measured no higher peak than Inductor's own fusion at
+the Wan2.1-1.3B step.
 
-The kernel computes in float32 and rounds once, where the composite backward rounds between
-steps, so the two agree to the input dtype's rounding (tests/test_fused_ops.py holds them equal
+The kernels compute in float32 and round once, where the composite code rounds between steps,
+so the two agree to the input dtype's rounding (tests/test_fused_ops.py holds them equal
 in float32 under Triton's interpreter; tests/gpu/test_wan_gpu.py in bf16 on a GPU).
 `fused_kernels_apply(x)` says whether a tensor takes this path: on CUDA with triton present.
-The kernel's module is imported at the first call, so this one imports without triton.
+The kernels' module is imported at the first call, so this one imports without triton.
 """
 
 from __future__ import annotations
@@ -48,6 +49,17 @@ def composite_norm_rope(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin:
     return apply_rope(F.rms_norm(x, (x.shape[-1],), weight, eps).unflatten(2, (heads, -1)), cos, sin)
 
 
+@torch.library.custom_op("relay::norm_rope_forward", mutates_args=())
+def _norm_rope_forward(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float) -> Tensor:
+    return _kernels().norm_rope_forward(x.contiguous(), weight.contiguous(), cos.contiguous(),
+                                        sin.contiguous(), eps)
+
+
+@_norm_rope_forward.register_fake
+def _(x, weight, cos, sin, eps):
+    return torch.empty_like(x)
+
+
 @torch.library.custom_op("relay::norm_rope_backward", mutates_args=())
 def _norm_rope_backward(dy: Tensor, x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor,
                         eps: float) -> tuple[Tensor, Tensor]:
@@ -62,19 +74,19 @@ def _(dy, x, weight, cos, sin, eps):
     return torch.empty_like(x), torch.empty_like(weight)
 
 
-class _NormRope(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor,
-                heads: int) -> Tensor:
-        ctx.save_for_backward(x, weight, cos, sin)
-        ctx.eps = eps
-        return composite_norm_rope(x, weight, eps, cos, sin, heads).flatten(2)
+def _setup_context(ctx, inputs, output):
+    x, weight, cos, sin, eps = inputs
+    ctx.save_for_backward(x, weight, cos, sin)
+    ctx.eps = eps
 
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        x, weight, cos, sin = ctx.saved_tensors
-        dx, dweight = _norm_rope_backward(dy, x, weight, cos, sin, ctx.eps)
-        return dx, dweight, None, None, None, None
+
+def _backward(ctx, dy: Tensor):
+    x, weight, cos, sin = ctx.saved_tensors
+    dx, dweight = _norm_rope_backward(dy, x, weight, cos, sin, ctx.eps)
+    return dx, dweight, None, None, None
+
+
+_norm_rope_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def norm_rope(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor,
@@ -82,4 +94,4 @@ def norm_rope(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor,
     """RoPE(RMSNorm(x) * weight) of x [B, N, heads * head_dim] as [B, N, heads, head_dim]: the
     norm over all channels, then each head's consecutive channel pairs rotated by token n's
     angles cos/sin [N, head_dim / 2] (float32); weight in x's dtype."""
-    return _NormRope.apply(x, weight, eps, cos, sin, heads).unflatten(2, (heads, -1))
+    return _norm_rope_forward(x, weight, cos, sin, eps).unflatten(2, (heads, -1))

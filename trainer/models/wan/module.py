@@ -100,8 +100,8 @@ class WanAttention(nn.Module):
     def rotated_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Self-attention's q and k (RMSNorm'd, then RoPE'd by cos/sin [N, head_dim / 2]) and
-        v [B, N, heads, head_dim] of tokens x [B, N, D]. On a GPU the backward of the norm and
-        the rotation is one kernel (trainer.models.fused_ops.norm_rope)."""
+        v [B, N, heads, head_dim] of tokens x [B, N, D]. On a GPU the norm and the rotation are
+        one kernel forward and one backward (trainer.models.fused_ops.norm_rope)."""
         q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
         rotate = norm_rope if fused_kernels_apply(q) and cos.dtype == torch.float32 \
             else composite_norm_rope
