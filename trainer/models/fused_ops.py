@@ -37,7 +37,7 @@ TRITON_PRESENT = importlib.util.find_spec("triton") is not None
 
 
 def fused_kernels_apply(x: Tensor) -> bool:
-    """Whether x takes the fused kernel: a CUDA tensor with triton installed (it ships with
+    """Whether x takes the fused kernels: a CUDA tensor with triton installed (it ships with
     torch's CUDA builds). Elsewhere (CPU runs, float64 tests) the composite torch code runs."""
     return TRITON_PRESENT and x.is_cuda and x.dtype != torch.float64
 
