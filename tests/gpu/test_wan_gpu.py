@@ -131,15 +131,24 @@ def test_compiled_causal_wan_blocks_give_the_eager_teacher_forcing_gradients():
     assert _rel(grads[1][worst], grads[0][worst]) < 5e-2, worst
 
 
-def test_fused_kernels_give_the_composite_gradients_in_bf16(monkeypatch):
-    """The fused q/k RMSNorm + RoPE kernels, in compiled blocks, against the composite torch
-    code of the same model (trainer/models/fused_ops.py), and that the GPU does take it."""
+@pytest.mark.parametrize("checkpointing", ["off", "selective"])
+def test_fused_kernels_give_the_composite_gradients_in_bf16(monkeypatch, checkpointing):
+    """The fused kernels (q/k RMSNorm + RoPE, LayerNorm + modulation), in compiled blocks,
+    also under selective activation checkpointing, against the composite torch code of the
+    same model (trainer/models/fused_ops.py), and that the GPU does take them."""
     from trainer.models import fused_ops
     from trainer.models.wan import module as wan_module
 
     assert fused_ops.fused_kernels_apply(torch.zeros(1, device=DEVICE, dtype=torch.bfloat16))
     _, fused = _pair()
     composite = copy.deepcopy(fused)
+    if checkpointing == "selective":  # as prepare_for_training: checkpoint, then compile
+        from torch.distributed._composable import checkpoint
+
+        from trainer.build import _keep_attention_outputs
+
+        for block in (*composite.blocks, *fused.blocks):
+            checkpoint(block, context_fn=_keep_attention_outputs)
     x, t, text = _inputs()
     grads, outs = [], []
     for model, on in ((composite, False), (fused, True)):
@@ -155,3 +164,26 @@ def test_fused_kernels_give_the_composite_gradients_in_bf16(monkeypatch):
     assert _rel(outs[1], outs[0]) < 1e-2, _rel(outs[1], outs[0])
     worst = max(grads[0], key=lambda n: _rel(grads[1][n], grads[0][n]))
     assert _rel(grads[1][worst], grads[0][worst]) < 3e-2, (worst, _rel(grads[1][worst], grads[0][worst]))
+
+
+def test_the_matmul_bias_gradient_equals_nn_linear_compiled_in_bf16():
+    """MatmulBiasLinear (the block's linear layers) against nn.Linear under autocast, compiled:
+    the same output and input and weight gradients, the bias gradient to bf16 rounding."""
+    from trainer.models.matmul_bias import MatmulBiasLinear
+
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(256, 384).to(DEVICE)
+    ours = MatmulBiasLinear(256, 384).to(DEVICE)
+    ours.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 1000, 256, device=DEVICE, dtype=torch.bfloat16)
+    dy = torch.randn(2, 1000, 384, device=DEVICE, dtype=torch.bfloat16)
+    results = []
+    for layer in (plain, ours):
+        torch._dynamo.reset()
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = torch.compile(layer)(torch.nn.functional.gelu(xi))
+        out.backward(dy)
+        results.append((out.float(), xi.grad.float(), layer.weight.grad, layer.bias.grad))
+    for got, want in zip(results[1], results[0]):
+        assert _rel(got, want) < 1e-2, _rel(got, want)

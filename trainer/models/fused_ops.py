@@ -1,4 +1,4 @@
-"""q/k RMSNorm + RoPE as two Triton kernels (trainer/models/triton_kernels.py), forward and backward.
+"""The wan blocks' fused Triton kernels (trainer/models/triton_kernels.py) as registered operators.
 
 `norm_rope(x, weight, eps, cos, sin, heads)`: RMSNorm of x across all heads, then RoPE on each
 head's channel pairs. The forward is `relay::norm_rope_forward`, one pass over the rows; the
@@ -7,6 +7,12 @@ Inductor's fused reduction ran several times below memory bandwidth (docs/perfor
 registered operators they are single nodes of a compiled block; the partitioner saves the
 forward's input for the backward, which measured no higher peak than Inductor's own fusion at
 the Wan2.1-1.3B step.
+
+`layer_norm_modulate(x, scale, shift, eps)`: LayerNorm(x) * (1 + scale) + shift, a row of
+scale and shift for each of S equal runs of tokens. The forward is
+`relay::layer_norm_modulate_forward`, inside a checkpoint so that the backward pass runs it
+again instead of keeping its output; the backward `relay::layer_norm_modulate_backward` also
+sums the scale's and shift's gradients over each run.
 
 The kernels compute in float32 and round once, where the composite code rounds between steps,
 so the two agree to the input dtype's rounding (tests/test_fused_ops.py holds them equal
@@ -22,6 +28,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from trainer.models.dit.module import apply_rope
 
@@ -95,3 +102,61 @@ def norm_rope(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor,
     norm over all channels, then each head's consecutive channel pairs rotated by token n's
     angles cos/sin [N, head_dim / 2] (float32); weight in x's dtype."""
     return _norm_rope_forward(x, weight, cos, sin, eps).unflatten(2, (heads, -1))
+
+
+def composite_layer_norm_modulate(x: Tensor, scale: Tensor, shift: Tensor, eps: float) -> Tensor:
+    """LayerNorm(x) * (1 + scale) + shift in float32 torch ops (float64 stays), returned in x's
+    dtype: x [B, N, D], scale/shift [B, S, D] (the N tokens in S equal runs, run s modulated by
+    row s)."""
+    wide = x if x.dtype == torch.float64 else x.float()
+    h = F.layer_norm(wide, (x.shape[-1],), eps=eps).unflatten(1, (scale.shape[1], -1))
+    return (h * (1 + scale[:, :, None]) + shift[:, :, None]).flatten(1, 2).type_as(x)
+
+
+@torch.library.custom_op("relay::layer_norm_modulate_backward", mutates_args=())
+def _layer_norm_modulate_backward(dy: Tensor, x: Tensor, scale: Tensor,
+                                  eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    dx, dscale, dshift = _kernels().layer_norm_modulate_backward(dy.contiguous(), x.contiguous(),
+                                                                 scale.contiguous(), eps)
+    return dx, dscale.view(scale.shape).to(scale.dtype), dshift.view(scale.shape).to(scale.dtype)
+
+
+@_layer_norm_modulate_backward.register_fake
+def _(dy, x, scale, eps):
+    return torch.empty_like(x), torch.empty_like(scale), torch.empty_like(scale)
+
+
+@torch.library.custom_op("relay::layer_norm_modulate_forward", mutates_args=())
+def _layer_norm_modulate_forward(x: Tensor, scale: Tensor, shift: Tensor, eps: float) -> Tensor:
+    return _kernels().layer_norm_modulate_forward(x.contiguous(), scale.contiguous(),
+                                                  shift.contiguous(), eps)
+
+
+@_layer_norm_modulate_forward.register_fake
+def _(x, scale, shift, eps):
+    return torch.empty_like(x)
+
+
+def _setup_modulate_context(ctx, inputs, output):
+    x, scale, shift, eps = inputs
+    ctx.save_for_backward(x, scale)
+    ctx.eps = eps
+
+
+def _modulate_backward(ctx, dy: Tensor):
+    x, scale = ctx.saved_tensors
+    dx, dscale, dshift = _layer_norm_modulate_backward(dy, x, scale, ctx.eps)
+    return dx, dscale, dshift, None
+
+
+_layer_norm_modulate_forward.register_autograd(_modulate_backward,
+                                               setup_context=_setup_modulate_context)
+
+
+def layer_norm_modulate(x: Tensor, scale: Tensor, shift: Tensor, eps: float) -> Tensor:
+    """composite_layer_norm_modulate as one Triton kernel forward and one backward; scale and
+    shift float32. The forward runs again in the backward pass rather than have its output
+    saved: an operator's output is otherwise kept for the backward (a token-sized tensor per
+    norm, 8.4 GiB at the Wan2.1-1.3B step), where the partitioner recomputes Inductor's own
+    LayerNorm from the block's input."""
+    return checkpoint(_layer_norm_modulate_forward, x, scale, shift, eps, use_reentrant=False)

@@ -52,7 +52,9 @@ from trainer.models.attention import AttentionPlan, ChunkLayout, attend, block_c
     plan_attention, plan_packed
 from trainer.models.dit.module import (HeadRMSNorm, grid_positions, rope_tables,
                                        timestep_features)
-from trainer.models.fused_ops import composite_norm_rope, fused_kernels_apply, norm_rope
+from trainer.models.fused_ops import composite_layer_norm_modulate, composite_norm_rope, \
+    fused_kernels_apply, layer_norm_modulate, norm_rope
+from trainer.models.matmul_bias import MatmulBiasLinear
 from trainer.models.wan.causal import WanCausal
 from trainer.models.wan.config import WAN_DEFAULTS, rope_axes, wan_geometry
 
@@ -76,16 +78,36 @@ def _layer_norm(norm: nn.LayerNorm | nn.Identity, x: torch.Tensor) -> torch.Tens
     return F.layer_norm(_wide(x), norm.normalized_shape, weight, bias, norm.eps)
 
 
+def _modulated_norm(norm: nn.LayerNorm, x: torch.Tensor, scale: torch.Tensor,
+                    shift: torch.Tensor) -> torch.Tensor:
+    """norm(x) * (1 + scale) + shift in float32, in x's dtype: x [B, N, D] in scale's S equal
+    runs, scale/shift [B, S, D]. On a GPU one kernel forward and one backward
+    (trainer.models.fused_ops.layer_norm_modulate)."""
+    if fused_kernels_apply(x) and scale.dtype == torch.float32:
+        return layer_norm_modulate(x, scale, shift, norm.eps)
+    return composite_layer_norm_modulate(x, scale, shift, norm.eps)
+
+
+def _affine_norm(norm: nn.LayerNorm | nn.Identity, x: torch.Tensor) -> torch.Tensor:
+    """The cross-attention's norm (affine LayerNorm, or none) in float32, in x's dtype; on a GPU
+    the modulated norm's kernels with scale = weight - 1 and shift = bias."""
+    if isinstance(norm, nn.LayerNorm) and fused_kernels_apply(x):
+        expand = (x.shape[0], 1, x.shape[-1])
+        return layer_norm_modulate(x, (norm.weight.float() - 1).expand(expand),
+                                   norm.bias.float().expand(expand), norm.eps)
+    return _layer_norm(norm, x).type_as(x)
+
+
 class WanAttention(nn.Module):
     """q/k/v/out projections with RMSNorm on q and k across heads (keys as diffusers')."""
 
     def __init__(self, dim: int, heads: int, eps: float):
         super().__init__()
         self.heads = heads
-        self.to_q = nn.Linear(dim, dim)
-        self.to_k = nn.Linear(dim, dim)
-        self.to_v = nn.Linear(dim, dim)
-        self.to_out = nn.ModuleList([nn.Linear(dim, dim), nn.Dropout(0.0)])
+        self.to_q = MatmulBiasLinear(dim, dim)
+        self.to_k = MatmulBiasLinear(dim, dim)
+        self.to_v = MatmulBiasLinear(dim, dim)
+        self.to_out = nn.ModuleList([MatmulBiasLinear(dim, dim), nn.Dropout(0.0)])
         self.norm_q = HeadRMSNorm(dim, eps=eps)
         self.norm_k = HeadRMSNorm(dim, eps=eps)
 
@@ -121,7 +143,7 @@ def _eps(norm: nn.RMSNorm, x: torch.Tensor) -> float:
 class GeluProjection(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.proj = nn.Linear(dim, hidden)
+        self.proj = MatmulBiasLinear(dim, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.gelu(self.proj(x), approximate="tanh")
@@ -130,7 +152,8 @@ class GeluProjection(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.net = nn.ModuleList([GeluProjection(dim, hidden), nn.Dropout(0.0), nn.Linear(hidden, dim)])
+        self.net = nn.ModuleList([GeluProjection(dim, hidden), nn.Dropout(0.0),
+                                  MatmulBiasLinear(hidden, dim)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net[2](self.net[0](x))
@@ -183,16 +206,13 @@ class WanBlock(nn.Module):
             return BlockOutput(None, None, cross_kv)
         runs = time_proj.shape[1]
         mod = _wide(self.scale_shift_table[None]) + _wide(time_proj)  # [B, S, 6, D]
-        shift, scale, gate, c_shift, c_scale, c_gate = mod[:, :, :, None].unbind(2)  # [B, S, 1, D]
-
-        def modulate(norm, h, sc, sh):
-            return (_layer_norm(norm, h).unflatten(1, (runs, -1)) * (1 + sc) + sh).flatten(1, 2)
+        shift, scale, gate, c_shift, c_scale, c_gate = mod.unbind(2)  # [B, S, D]
 
         def gated(h, out, g):
-            return (_wide(h).unflatten(1, (runs, -1)) + _wide(out).unflatten(1, (runs, -1)) * g
-                    ).flatten(1, 2).type_as(h)
+            return (_wide(h).unflatten(1, (runs, -1)) + _wide(out).unflatten(1, (runs, -1))
+                    * g[:, :, None]).flatten(1, 2).type_as(h)
 
-        h = modulate(self.norm1, x, scale, shift).type_as(x)
+        h = _modulated_norm(self.norm1, x, scale, shift)
         q, k, v = self.attn1.rotated_qkv(h, *rope)
         if self.ulysses is not None:
             q, k, v = (self.ulysses.to_heads(a) for a in (q, k, v))
@@ -202,10 +222,10 @@ class WanBlock(nn.Module):
         if self.ulysses is not None:
             out = self.ulysses.to_tokens(out)
         x = gated(x, self.attn1.output(out, q), gate)
-        h = _layer_norm(self.norm2, x).type_as(x)
+        h = _affine_norm(self.norm2, x)
         q = self.attn2.query(h)
         x = x + self.attn2.output(attend(cross_plan, q, *cross_kv), q)
-        h = modulate(self.norm3, x, c_scale, c_shift).type_as(x)
+        h = _modulated_norm(self.norm3, x, c_scale, c_shift)
         x = gated(x, self.ffn(h), c_gate)
         return BlockOutput(x, (k, v), cross_kv) if keep_kv else BlockOutput(x, None, None)
 
