@@ -48,10 +48,11 @@ def test_the_fused_kernels_give_the_composite_output_and_gradients(batch, tokens
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-4)  # a sum over 600 rows
 
 
-# one run of 300 rows over two backward programs (256 rows each at 192 channels), and runs of
-# a few rows each (a time per frame), at widths that are not powers of two
+# one run of 300 rows over two backward programs (256 rows each at 192 channels), runs of a
+# few rows each (a time per frame) and of one row (a time per token), at widths that are not
+# powers of two
 @pytest.mark.parametrize("batch, runs, tokens, dim", [(2, 1, 300, 192), (2, 5, 10, 24),
-                                                      (1, 3, 6, 16)])
+                                                      (1, 3, 6, 16), (2, 7, 7, 40)])
 def test_the_layer_norm_modulate_kernels_give_the_composite_output_and_gradients(batch, runs,
                                                                                  tokens, dim):
     g = torch.Generator().manual_seed(0)

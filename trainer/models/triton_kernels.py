@@ -190,10 +190,12 @@ def layer_norm_modulate_backward(dy: torch.Tensor, x: torch.Tensor, scale: torch
     run_len = x.numel() // d // runs
     dx = torch.empty_like(x)
     block_d, block_m, warps = _row_tile(d, 4096)
-    parts = triton.cdiv(run_len, block_m * ROW_BLOCKS)
+    # runs shorter than a program's rows (a time per token) take fewer row tiles a program
+    row_blocks = min(ROW_BLOCKS, triton.cdiv(run_len, block_m))
+    parts = triton.cdiv(run_len, block_m * row_blocks)
     dscale = torch.empty((runs, parts, d), dtype=torch.float32, device=x.device)
     dshift = torch.empty_like(dscale)
     _layer_norm_modulate_backward[(runs, parts)](
         dy, x, scale, dx, dscale, dshift, run_len, eps, D=d, BLOCK_D=block_d, BLOCK_M=block_m,
-        ROW_BLOCKS=ROW_BLOCKS, num_warps=warps)
+        ROW_BLOCKS=row_blocks, num_warps=warps)
     return dx, dscale.sum(1), dshift.sum(1)
