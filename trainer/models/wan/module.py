@@ -500,11 +500,9 @@ class WanTransformer(WanCausal, nn.Module):
             tokens = out.x
             if collect_kv:
                 collected.append((out.self_kv[0].detach(), out.self_kv[1].detach()))
-        runs = temb.shape[1]
         shift, scale = (_wide(self.scale_shift_table[None]) + _wide(temb[:, :, None])
-                        )[:, :, :, None].unbind(2)  # [B, S, 1, D]
-        h = _layer_norm(self.norm_out, tokens).unflatten(1, (runs, -1)) * (1 + scale) + shift
-        out = self.proj_out(h.flatten(1, 2).type_as(tokens))
+                        ).unbind(2)  # [B, S, D]
+        out = self.proj_out(_modulated_norm(self.norm_out, tokens, scale, shift))
         return (out if self.ulysses is None else self.ulysses.gather(out)), collected
 
     def _pad_to_split(self, tokens, positions, slots):
