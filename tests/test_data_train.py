@@ -24,12 +24,12 @@ STAGE1 = ("--config", str(ROOT / "config" / "tiny" / "stage1.yaml"), "--transfor
           "--lr_scheduler_type", "constant")
 
 
-def _train(data: Path, out: Path, max_steps: int, *extra: str) -> None:
+def _train(data: Path, out: Path, max_steps: int, *extra: str, budget: str = "60") -> None:
     command = [sys.executable, str(ROOT / "trainer" / "train.py"),
                "--config", str(ROOT / "config" / "tiny" / "pretrain.yaml"),
                "--transformer_config_overrides", MODEL, "--synthetic_data", "false",
                "--data_path", str(data), "--output_dir", str(out), "--max_steps", str(max_steps),
-               "--packing_token_budget", "60", "--packed_dataloader_num_workers", "2",
+               "--packing_token_budget", budget, "--packed_dataloader_num_workers", "2",
                "--warmup_steps", "2", "--log_interval", "1", "--save_interval", "2",
                "--validation_interval", "-1", "--deterministic", "true", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -59,6 +59,18 @@ def test_mixed_shapes_train_in_packs_and_resume_on_the_same_trajectory(fastvideo
     assert [resumed[s] for s in range(5, 9)] == [reference[s] for s in range(5, 9)]
     cursor = json.loads((tmp_path / "resumed" / "checkpoint-8" / "dataloader" / "0.json").read_text())
     assert cursor["token_budget"] == 60 and cursor["cursor"]["batch"] == 8
+
+
+def test_a_budget_derived_from_the_data_resumes_when_the_same_command_runs_again(fastvideo_data, tmp_path):
+    # No packing_token_budget: the mixed shapes derive one. A requeued job runs the same command,
+    # so the resume must derive the same budget before comparing it with the checkpoint's.
+    _train(fastvideo_data, tmp_path / "reference", 6, budget="null")
+    _train(fastvideo_data, tmp_path / "resumed", 4, budget="null")
+    _train(fastvideo_data, tmp_path / "resumed", 6, budget="null")
+    reference, resumed = _losses(tmp_path / "reference"), _losses(tmp_path / "resumed")
+    assert [resumed[s] for s in (5, 6)] == [reference[s] for s in (5, 6)]
+    cursor = json.loads((tmp_path / "resumed" / "checkpoint-6" / "dataloader" / "0.json").read_text())
+    assert cursor["token_budget"] > 60  # derived from the data: batch size x the largest sample
 
 
 def test_stage1_trains_in_packs_of_mixed_shapes_and_resumes_on_the_same_trajectory(fastvideo_data, tmp_path):

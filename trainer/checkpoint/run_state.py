@@ -23,6 +23,7 @@ from trainer.config.schema import ConfigError, ResolvedArgs
 from trainer.models.registry import family_of, model_config
 from trainer.checkpoint.warm_start import load_warm_start
 from trainer.checkpoint.layout import DATALOADER_DIR, read_complete, scan_output_dir
+from trainer.data.checks import batching
 from trainer.data.resume import IDENTITY_FILE, data_identity, identity_changes, position_problem
 from trainer.parallel.distributed import broadcast_from_rank0
 from trainer.checkpoint.lora_base import BASE_FILE, check_base, read_recorded_base
@@ -148,7 +149,7 @@ def _check_newest_checkpoint(args: ResolvedArgs, topo: Topology,
         cursor = {**cursor, "dp_world": dp_world, "cursor": {**cursor["cursor"], "streams": streams}}
         problem = position_problem(
             cursor, dp_world=topo.dp_world, batch_size=args.train_batch_size,
-            grad_accum=args.gradient_accumulation_steps, token_budget=args.packing_token_budget,
+            grad_accum=args.gradient_accumulation_steps, token_budget=batching(args).budget,
             checkpoint=path.name, saved_grad_accum=saved_config.get("gradient_accumulation_steps"),
             check_epochs=not changed)
         if problem:
