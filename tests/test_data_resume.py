@@ -35,7 +35,8 @@ def test_a_position_that_is_not_a_whole_number_of_the_new_steps_is_refused_with_
     assert problem.startswith("checkpoint-3 was saved at sample 48 of epoch 0; with global batch "
                               "32 (train_batch_size 16 x gradient_accumulation_steps 1 x dp 2)")
     assert "48/32 = 1.5 steps" in problem
-    assert "divides 48, e.g. the saved run's 16 or 24 or 48" in problem
+    assert ("divides 48 and cuts each epoch of 4096 samples to 4096, e.g. the saved run's 16 "
+            "or 8") in problem
     # Global batch 10 (5 x 2): 48/10.
     assert "48/10 = 4.8 steps" in position_problem(cursor(48), dp_world=2, batch_size=5,
                                                    grad_accum=1, token_budget=None,
@@ -50,7 +51,44 @@ def test_a_reachable_position_with_the_same_epoch_resumes_and_another_epoch_cut_
     problem = position_problem(cursor(48), dp_world=1, batch_size=48, grad_accum=1,
                                token_budget=None, checkpoint="checkpoint-3")
     assert "each epoch of 4096 samples to 4096" in problem and "would hold 4080" in problem
-    assert "e.g. the saved run's 16 or 32 or 64" in problem
+    assert "cuts 4096 samples to 4096 and divides 48 (the saved position), e.g. the saved " \
+           "run's 16 or 8" in problem
+
+
+def _offered(problem: str) -> list[int]:
+    """The global batches a refusal suggests ("e.g. the saved run's 32 or 16")."""
+    return [int(word) for word in problem.split(", e.g. ")[1].replace("the saved run's ", "")
+            .split(" or ")]
+
+
+def test_every_global_batch_a_refusal_suggests_passes_both_rules():
+    # Saved at global batch 32 at sample 96 of an epoch of 1000 samples (cut to 992).
+    saved = cursor(96, batch_size=32, size=1000, length=992)
+    # Resumed at 48 the position is 2 steps but the epoch would hold 960; 62 divides 992 but
+    # not 96, so it is not offered.
+    problem = position_problem(saved, dp_world=1, batch_size=48, grad_accum=1,
+                               token_budget=None, checkpoint="checkpoint-3")
+    assert "an epoch would hold 960" in problem and _offered(problem) == [32, 16]
+    # Resumed at 64, 96/64 = 1.5; 48 divides 96 but cuts the epoch to 960, so it is not offered.
+    problem = position_problem(saved, dp_world=1, batch_size=64, grad_accum=1,
+                               token_budget=None, checkpoint="checkpoint-3")
+    assert "96/64 = 1.5 steps" in problem and _offered(problem) == [32, 16]
+    # Two streams: the image stream refuses 12, and 16 would keep the image rules but start
+    # the video stream mid-step (40/16); 4 would cut its epoch of 1004 to 1004, not 1000.
+    two = {**cursor(48, batch_size=8), "stream_sizes": {"image": 4096, "video": 1004},
+           "epoch_lengths": {"image": 4096, "video": 1000},
+           "cursor": {"batch": 6, "streams": {"image": {"epoch": 0, "position": 48},
+                                              "video": {"epoch": 0, "position": 40}}}}
+    problem = position_problem(two, dp_world=1, batch_size=12, grad_accum=1, token_budget=None,
+                               checkpoint="checkpoint-6")
+    assert "would hold 4092" in problem and _offered(problem) == [8]
+    for state, batch in ((saved, 48), (saved, 64), (saved, 31), (two, 12), (two, 16),
+                         (cursor(48), 32), (cursor(48), 48), (cursor(48), 5)):
+        problem = position_problem(state, dp_world=1, batch_size=batch, grad_accum=1,
+                                   token_budget=None, checkpoint="c")
+        for offered in _offered(problem):
+            assert position_problem(state, dp_world=1, batch_size=offered, grad_accum=1,
+                                    token_budget=None, checkpoint="c") is None, (batch, offered)
 
 
 def test_packs_continue_only_on_the_same_number_of_ranks():
@@ -147,6 +185,18 @@ def test_train_refuses_a_resume_whose_position_the_new_global_batch_cannot_reach
     assert "checkpoint-2 was saved at sample 8 of epoch 0; with global batch 16" in line
     assert "8/16 = 0.5 steps" in line and "resume_data_state: false" in line
     assert not (out / "checkpoint-2.bad").exists() and not (out / "metrics.jsonl").exists()
+
+
+def test_train_resumes_at_the_global_batch_its_refusal_suggests(tiny_trainer, tmp_path):
+    # checkpoint-6 of the reference (batch 4, 1 rank, 64 samples an epoch) is at sample 24:
+    # batch 16 is refused, and of the batches that divide 24, 12 and 24 would cut the epoch
+    # to 60 and 48 samples; 8 keeps it at 64 and resumes.
+    out = _copy_checkpoint(tiny_trainer, tmp_path, step=6)
+    line = _refusal(tiny_trainer.run(out, "--train_batch_size", "16"))
+    assert "24/16 = 1.5 steps" in line and "e.g. the saved run's 4 or 8," in line
+    proc = tiny_trainer.run(out, "--train_batch_size", "8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stderr and (out / "checkpoint-12").is_dir()
 
 
 def test_train_refuses_changed_data_unless_allowed_and_then_says_where_it_continues(

@@ -96,12 +96,64 @@ def identity_changes(saved: dict, now: dict, *, limit: int = 5) -> list[str]:
     return changes
 
 
-def _divisors_near(total: int, wanted: int) -> list[int]:
-    """The divisors of `total` just below and just above `wanted` (at most one each)."""
-    divisors = [d for d in range(1, total + 1) if total % d == 0] if total <= 10**6 else []
-    below = [d for d in divisors if d < wanted]
-    above = [d for d in divisors if d > wanted]
-    return ([below[-1]] if below else []) + ([above[0]] if above else [])
+def _divisors(n: int) -> list[int]:
+    """The divisors of `n` > 0 in increasing order ([] past 10**12: too many to try)."""
+    if n <= 0 or n > 10**12:
+        return []
+    small, large = [], []
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            small.append(d)
+            if d != n // d:
+                large.append(n // d)
+    return small + large[::-1]
+
+
+def _streams(state: dict, check_epochs: bool):
+    """(name, place, samples seen, epoch size, saved epoch length) of each stream of a cursor;
+    the sizes are None when the cursor does not record them or epochs are not checked."""
+    saved_dp = int(state["dp_world"])
+    sizes, lengths = state.get("stream_sizes") or {}, state.get("epoch_lengths") or {}
+    for name, place in sorted(state["cursor"].get("streams", {}).items()):
+        size, length = (sizes.get(name), lengths.get(name)) if check_epochs else (None, None)
+        if size is None or length is None:
+            size = length = None
+        yield name, place, int(place["position"]) * saved_dp, size, length
+
+
+def _epoch_length(state: dict, size: int, global_batch: int) -> int:
+    """An epoch of `size` samples cut to whole steps of `global_batch`."""
+    if state.get("drop_last", True):
+        return size // global_batch * global_batch
+    return math.ceil(size / global_batch) * global_batch
+
+
+def _first_break(state: dict, global_batch: int, check_epochs: bool) -> tuple | None:
+    """The first rule a global batch breaks, stream by stream: ("position", name, place, seen)
+    or ("epoch", name, place, seen, size, saved length, new length); None when it keeps them all."""
+    for name, place, seen, size, saved_length in _streams(state, check_epochs):
+        if seen % global_batch:
+            return "position", name, place, seen
+        if size is not None and _epoch_length(state, size, global_batch) != saved_length:
+            return ("epoch", name, place, seen, size, saved_length,
+                    _epoch_length(state, size, global_batch))
+    return None
+
+
+def _offers(state: dict, global_batch: int, saved_global: int, check_epochs: bool) -> list[str]:
+    """The global batches to suggest instead of `global_batch`: the saved run's, and those just
+    below and just above `global_batch`, each keeping every rule on every stream."""
+    # A batch that keeps the rules divides every position and every saved epoch length.
+    common = 0
+    for _, _, seen, _, saved_length in _streams(state, check_epochs):
+        common = math.gcd(common, seen, saved_length or 0)
+    fits = [d for d in _divisors(common)
+            if d != saved_global and _first_break(state, d, check_epochs) is None]
+    below = [d for d in fits if d < global_batch]
+    above = [d for d in fits if d > global_batch]
+    saved = (saved_global and _first_break(state, saved_global, check_epochs) is None)
+    return (([f"the saved run's {saved_global}"] if saved else [])
+            + ([str(below[-1])] if below else []) + ([str(above[0])] if above else []))
 
 
 def position_problem(state: dict, *, dp_world: int, batch_size: int, grad_accum: int,
@@ -136,37 +188,29 @@ def position_problem(state: dict, *, dp_world: int, batch_size: int, grad_accum:
         return None
     global_batch = batch_size * grad_accum * dp_world
     saved_global = (saved_batch or 0) * (saved_grad_accum or 1) * saved_dp
+    broken = _first_break(state, global_batch, check_epochs)
+    if broken is None:
+        return None
     split = (f"train_batch_size {batch_size} x gradient_accumulation_steps {grad_accum} x "
              f"dp {dp_world}")
-    for name, place in sorted(cursor.get("streams", {}).items()):
-        seen = int(place["position"]) * int(saved_dp)
-        stream = "" if name == "all" else f" of the {name} stream"
-        if seen % global_batch:
-            others = [d for d in _divisors_near(seen, global_batch) if d != saved_global]
-            offer = ([f"the saved run's {saved_global}"] if saved_global and seen % saved_global == 0
-                     else []) + [str(d) for d in others]
-            return (f"{checkpoint} was saved at sample {seen} of epoch {place['epoch']}{stream}; "
-                    f"with global batch {global_batch} ({split}) the next step would start at "
-                    f"{seen}/{global_batch} = {seen / global_batch:g} steps, so steps would no "
-                    f"longer end where the epoch does (one would train on fewer samples). "
-                    f"Resume with a global batch that divides {seen}"
-                    + (f", e.g. {' or '.join(offer)}" if offer else ""))
-        if not check_epochs:
-            continue
-        size = (state.get("stream_sizes") or {}).get(name)
-        saved_length = (state.get("epoch_lengths") or {}).get(name)
-        if size is None or saved_length is None:
-            continue
-        steps = size // global_batch if state.get("drop_last", True) else math.ceil(size / global_batch)
-        length = steps * global_batch
-        if length != saved_length:
-            fits = [d for d in _divisors_near(saved_length, global_batch)
-                    if size - saved_length < d and d != saved_global]
-            offer = ([f"the saved run's {saved_global}"] if saved_global else []) + [str(d) for d in fits]
-            return (f"{checkpoint} cut each epoch{stream} of {size} samples to {saved_length} "
-                    f"(whole steps of its global batch{f' {saved_global}' if saved_global else ''}); "
-                    f"with global batch {global_batch} ({split}) an epoch would hold {length}, so "
-                    f"the saved epoch's order would not be continued. Resume with a global batch "
-                    f"that cuts {size} samples to {saved_length}"
-                    + (f", e.g. {' or '.join(offer)}" if offer else ""))
-    return None
+    offer = _offers(state, global_batch, saved_global, check_epochs)
+    example = f", e.g. {' or '.join(offer)}" if offer else ""
+    kind, name, place, seen = broken[:4]
+    stream = "" if name == "all" else f" of the {name} stream"
+    sizes = {n: (size, length) for n, _, _, size, length in _streams(state, check_epochs)}
+    size, saved_length = sizes[name]
+    if kind == "position":
+        keeps = (f" and cuts each epoch{stream} of {size} samples to {saved_length}"
+                 if size is not None else "")
+        return (f"{checkpoint} was saved at sample {seen} of epoch {place['epoch']}{stream}; "
+                f"with global batch {global_batch} ({split}) the next step would start at "
+                f"{seen}/{global_batch} = {seen / global_batch:g} steps, so steps would no "
+                f"longer end where the epoch does (one would train on fewer samples). "
+                f"Resume with a global batch that divides {seen}{keeps}{example}")
+    length = broken[6]
+    divides = f" and divides {seen} (the saved position)" if seen else ""
+    return (f"{checkpoint} cut each epoch{stream} of {size} samples to {saved_length} "
+            f"(whole steps of its global batch{f' {saved_global}' if saved_global else ''}); "
+            f"with global batch {global_batch} ({split}) an epoch would hold {length}, so "
+            f"the saved epoch's order would not be continued. Resume with a global batch "
+            f"that cuts {size} samples to {saved_length}{divides}{example}")
