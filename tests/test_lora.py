@@ -1,7 +1,8 @@
 """LoRA through peft (docs/lora.md): a tiny random Wan (diffusers layout) LoRA-tuned for a few
 steps through trainer/train.py; only the adapters move and only they are saved; the peft
 export loads in diffusers and reproduces relay's output; the merged export is base + adapter;
-resume is bit-exact in one process and at dp=2; a changed base is refused; the DiT family
+exports follow the umask; resume is bit-exact in one process and at dp=2; a changed base is
+refused by a resume and by every export; the DiT family
 trains a LoRA too; what relay refuses, it refuses at --dry-run."""
 
 from __future__ import annotations
@@ -247,6 +248,54 @@ def test_merged_exports_as_diffusers_and_relay_and_a_lora_needs_the_flag(run, ro
         want = _inference_model(run / f"checkpoint-{STEPS}", "ema")(x, t, text)
         got = theirs(x, t, text).sample
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_every_export_is_as_readable_as_the_umask_says(run, root):
+    from trainer.evaluation.export import export_checkpoint
+
+    for mask in (0o022, 0o027):
+        previous = os.umask(mask)
+        try:
+            peft, relay = root / f"umask-{mask:o}" / "peft", root / f"umask-{mask:o}" / "relay"
+            export_checkpoint(run, peft, format="peft")
+            export_checkpoint(run, relay / "model.safetensors", format="relay", merge_lora=True)
+        finally:
+            os.umask(previous)
+        written = [peft / "adapter_model.safetensors", peft / "adapter_config.json",
+                   relay / "model.safetensors", relay / "model_config.json"]
+        assert {p.name: oct(p.stat().st_mode & 0o777) for p in written} == \
+            {p.name: oct(0o666 & ~mask) for p in written}
+
+
+def test_a_peft_export_of_a_run_whose_base_changed_is_refused_as_a_merge_is(run, root, base,
+                                                                           capsys):
+    from safetensors.torch import load_file, save_file
+
+    from launcher.cli import main as relay_main
+
+    file = base / "diffusion_pytorch_model.safetensors"
+    kept = file.with_name(file.name + ".kept")
+    state = load_file(str(file))
+    key = sorted(state)[0]
+    state[key] = state[key] + 1.0  # same names, shapes and size: other values
+    os.replace(file, kept)  # put back as it was (the same file, mtime and all) below
+    try:
+        save_file(state, str(file), metadata={"format": "pt"})
+        refusals = []
+        for argv in (["--format", "peft", "--out", str(root / "peft-on-changed")],
+                     ["--format", "relay", "--merge-lora",
+                      "--out", str(root / "merged-on-changed" / "model.safetensors")]):
+            code = relay_main(["export", str(run), *argv])
+            captured = capsys.readouterr()
+            assert code == 2, captured.out + captured.err
+            refusals.append(captured.err)
+    finally:
+        os.replace(kept, file)
+    assert refusals[0] == refusals[1]
+    assert refusals[0].startswith(f"relay export: the LoRA base changed since checkpoint-{STEPS} "
+                                  f"was trained on it") and len(refusals[0].splitlines()) == 1
+    assert "the same files and sizes with other contents" in refusals[0]
+    assert not (root / "peft-on-changed").exists()
 
 
 def _adapters_equal(a: Path, b: Path) -> None:

@@ -60,6 +60,7 @@ from trainer.checkpoint.dcp_io import (
     read_dcp_state_dict,
     read_dcp_tensor_shapes,
 )
+from trainer.runtime.files import follow_umask
 
 def _read_plain_file(source: WeightsSource) -> dict[str, torch.Tensor]:
     try:
@@ -344,6 +345,7 @@ def export_weights(
     try:
         out_file.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(tmp), metadata=metadata)
+        follow_umask(tmp)  # safetensors creates it 0600; an export is as readable as the umask says
         tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
         os.replace(tmp, out_file)
         os.replace(tmp_config, config_file)

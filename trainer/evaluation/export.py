@@ -19,9 +19,11 @@ which weights, the model config it was trained with):
   diffusers' WanPipeline runs those weights bidirectionally. A two-time model (Stage1) is refused:
   its second time input has no place in diffusers' class (docs/wan.md, "Distilling Wan").
 
-Both write under a temporary name and rename into place; an existing output is replaced only
-with `overwrite`. Torch and diffusers are imported inside the writers only: the login side
-reads the format names without them.
+Every writer writes under a temporary name and renames into place; an existing output is
+replaced only with `overwrite`. Every file written gets the mode a new file gets under the
+umask (trainer.runtime.files.follow_umask: safetensors and diffusers create them 0600). Torch
+and diffusers are imported inside the writers only: the login side reads the format names
+without them.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from trainer.runtime.files import replace_directory
+from trainer.runtime.files import follow_umask, replace_directory
 
 LINK_FROM_BYTES = 1 << 20  # component files this large are hardlinked, smaller ones copied
 DEFAULT_MAX_SHARD_SIZE = "10GB"  # diffusers' own default for save_pretrained
@@ -396,10 +398,7 @@ def _save_transformer(spec: DiffusersExport, config: dict[str, Any], state: dict
     files = resolve_weights_source(directory, weights="live").files
     # diffusers leaves its safetensors readable by their owner only; an export is for sharing:
     # as readable as any file this process creates.
-    umask = os.umask(0)
-    os.umask(umask)
-    for file in files:
-        file.chmod(0o666 & ~umask)
+    follow_umask(*files)
     written = {key: shape for file in files for key, shape in safetensors_keys(file).items()}
     expected = {key: tuple(value.shape) for key, value in tensors.items()}
     if written != expected:

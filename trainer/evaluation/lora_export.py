@@ -10,8 +10,9 @@
   weight W replaced by W + (lora_alpha / r) B A, under the family's own keys: what the other
   writers write for a full run.
 
-Both read the base by the reference the checkpoint recorded (trainer.checkpoint.lora_base) and
-refuse a base whose bytes changed since the run trained on it.
+Both check the base by the reference the checkpoint recorded (trainer.checkpoint.lora_base) and
+refuse a base whose bytes changed since the run trained on it (`check_recorded_base`): the
+merge reads it, and the adapters alone mean something only on it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.models.lora_targets import lora_enabled, lora_scale
-from trainer.runtime.files import replace_directory
+from trainer.runtime.files import follow_umask, replace_directory
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -48,6 +49,17 @@ def require_lora(source, what: str) -> None:
         raise _export_error(f"{what} exports a LoRA run's adapters, and {source.checkpoint} is "
                             f"a run that trained every weight (lora_rank 0). Export it with "
                             f"--format relay or --format diffusers.")
+
+
+def check_recorded_base(source) -> None:
+    """Raise CheckpointError, in one paragraph, when the base `source`'s run names now holds
+    other bytes than the one its checkpoint recorded (trainer.checkpoint.lora_base): the
+    adapters would be exported for, or merged into, weights they were not trained on."""
+    from trainer.checkpoint.lora_base import check_base, read_recorded_base
+
+    args = source.args
+    check_base(args["pretrained_transformer_path"], args["pretrained_weights"],
+               read_recorded_base(source.checkpoint), source.checkpoint.name)
 
 
 def _adapters(source) -> dict[str, Any]:
@@ -78,10 +90,12 @@ def _config_dict(config) -> dict[str, Any]:
 def write_peft(source, out: Path, *, overwrite: bool) -> list[str]:
     """The adapters of `source` as a peft/diffusers LoRA directory at `out` (module docstring).
     Returns the lines to print. Raises LoraExportError for a run without adapters or an `out` that
-    exists (without `overwrite`) or holds something else."""
+    exists (without `overwrite`) or holds something else, CheckpointError when the base changed
+    since the run trained on it."""
     from safetensors.torch import save_file
 
     require_lora(source, "--format peft")
+    check_recorded_base(source)
     _check_out(out, overwrite)
     adapters = _adapters(source)
     layers = sorted({key.rsplit(".lora_", 1)[0] for key in adapters})
@@ -95,6 +109,7 @@ def write_peft(source, out: Path, *, overwrite: bool) -> list[str]:
     try:
         tmp.mkdir()
         save_file(tensors, str(tmp / ADAPTER_FILE), metadata=metadata)
+        follow_umask(tmp / ADAPTER_FILE)  # safetensors creates it 0600
         (tmp / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         replace_directory(tmp, out)
     except OSError as exc:
@@ -116,13 +131,11 @@ def merged_state_dict(source) -> dict[str, Any]:
     import torch
 
     from trainer.build import build_model
-    from trainer.checkpoint.lora_base import check_base, read_recorded_base
     from trainer.models.lora import load_base, merge_adapter
 
     require_lora(source, "--merge-lora")
     args = source.args
-    check_base(args["pretrained_transformer_path"], args["pretrained_weights"],
-               read_recorded_base(source.checkpoint), source.checkpoint.name)
+    check_recorded_base(source)
     model = build_model(args, torch.device("cpu"), source.model_config)
     load_base(model, args)
     base = {key: value.detach() for key, value in model.state_dict().items()}

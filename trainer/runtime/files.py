@@ -32,3 +32,25 @@ def replace_directory(tmp: str | os.PathLike, out: str | os.PathLike) -> None:
     os.replace(out, old)
     os.replace(tmp, out)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (Linux's /proc/self/status), else by
+    setting it and putting it back."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(*paths: str | os.PathLike) -> None:
+    """Give files written by a library that makes them private (safetensors, diffusers'
+    save_pretrained: 0600) the mode open() gives a new file: 0666 less the umask."""
+    mode = 0o666 & ~_umask()
+    for path in paths:
+        os.chmod(path, mode)
