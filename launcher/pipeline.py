@@ -551,6 +551,7 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
     problem, each prefixed with its stage.
     """
     from trainer.config.args import resolve_config
+    from trainer.models.registry import model_config
     from trainer.preflight import describe_plan
     from trainer.config.schema import ConfigError
 
@@ -594,6 +595,9 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
     # stages' vae_path / text_encoder / weights inside one are checked when they start.
     written: list[str] = []
     written_before: dict[str, tuple[str, ...]] = {}
+    # The model config each validated stage will record in its checkpoints: a later stage
+    # started from its output_dir inherits that architecture (trainer.source_model).
+    produced: dict[str, dict[str, Any]] = {}
     for name in selected:
         stage = data["stages"][name]
         where = f"stage {name}"
@@ -629,14 +633,15 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
                 warnings.simplefilter("ignore")  # the job prints them; the plan need not
                 args = resolve_config(config_path, overrides, world_size=resources.world_size,
                                       cwd=base, check_paths=check_paths,
-                                      written_before=tuple(written))
+                                      written_before=tuple(written), produced=produced)
                 plan = describe_plan(args, resources.world_size, resources.tasks_per_node)
+                produced[output_dirs[name]] = model_config(args)
         except ConfigError as exc:
             problems.append(f"{where}: {exc}")
             continue
         overrides = _absolute_path_overrides(overrides, args)
         argv = render_train_argv(config_path, overrides)
-        problems.extend(_check_argv_round_trip(where, config_path, argv, args, base))
+        problems.extend(_check_argv_round_trip(where, config_path, argv, args, base, produced))
         written_before[name] = tuple(written)
         from trainer.encoders.directories import tiny_wan_pending
 
@@ -715,15 +720,18 @@ def _absolute_path_overrides(overrides: dict[str, Any], args) -> dict[str, Any]:
     return out
 
 
-def _check_argv_round_trip(where: str, config: str, argv: list[str], args, base: Path) -> list[str]:
-    """The job passes `argv` to train.py: it must resolve to what was validated."""
+def _check_argv_round_trip(where: str, config: str, argv: list[str], args, base: Path,
+                           produced: dict[str, dict[str, Any]]) -> list[str]:
+    """The job passes `argv` to train.py: it must resolve to what was validated (starting from
+    what the earlier stages will have written, `produced`)."""
     from trainer.config.args import resolve_config
     from trainer.config.schema import ConfigError
 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            again = resolve_config(config, argv[2:], cwd=base, check_paths=False)
+            again = resolve_config(config, argv[2:], cwd=base, check_paths=False,
+                                   produced=produced)
     except ConfigError as exc:
         return [f"{where}: the rendered train.py command line does not parse ({exc}); "
                 f"report this as a relay bug."]

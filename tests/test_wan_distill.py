@@ -270,6 +270,30 @@ def test_the_tiny_chain_dry_runs_before_anything_exists_and_top_level_keys_are_c
             validate_pipeline(tmp_path / "p.yaml", root=str(tmp_path / "runs"), cwd=ROOT)
 
 
+def test_editing_source_alone_gives_every_stage_the_new_directory_architecture(tmp_path):
+    """Another Wan directory (16 latent channels, three heads of 24) as `source`, the shipped
+    chain otherwise as it is: Stage1 and Stage2 build what SFT builds, made causal/two-time."""
+    from launcher.pipeline import validate_pipeline
+    from trainer.models.registry import model_config
+
+    source = tiny.write_tiny_wan_pipeline(tmp_path / "other-wan", latent_channels=16,
+                                          transformer={"num_attention_heads": 3,
+                                                       "attention_head_dim": 24})
+    data = yaml.safe_load(PIPELINE.read_text())
+    data["source"] = str(source)
+    for stage in data["stages"].values():
+        stage["config"] = str(ROOT / stage["config"])
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    pipeline = validate_pipeline(tmp_path / "p.yaml", root=str(tmp_path / "runs"), cwd=ROOT)
+    configs = {s.name: model_config(s.args) for s in pipeline.stages}
+    for name, config in configs.items():
+        assert (config["in_channels"], config["num_attention_heads"],
+                config["attention_head_dim"]) == (16, 3, 24), name
+    assert configs["stage1"]["two_time"] and configs["stage1"]["causal_chunk_size"] == 1
+    assert not configs["stage2"]["two_time"] and configs["stage2"]["causal_chunk_size"] == 1
+    assert configs["sft"]["causal_chunk_size"] is None
+
+
 RELEASES = {  # pipeline -> (transformer/config.json keys, VAE spatial factor, flow_shift,
     #                         latent shape, world, the Stage2 line of the plan)
     "wan-distill-1.3b": ({"num_attention_heads": 12, "num_layers": 30, "ffn_dim": 8960},

@@ -242,3 +242,105 @@ def test_the_shipped_wan_configs_dry_run_against_their_release(name, tmp_path):
                           cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert world in proc.stdout
+
+
+# ---- what a directory gives a run, and what a run needs of it ----------------------------------
+
+def _encoded(root: Path, caption_tokens: int, rows: int = 8) -> Path:
+    """Pre-encoded data for the tiny Wan: one latent shape, captions `caption_tokens` long."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from fixtures.fastvideo_t2v import T2V_SCHEMA
+
+    gen = torch.Generator().manual_seed(0)
+    table = []
+    for n in range(rows):
+        latent = torch.randn(tiny.LATENT_CHANNELS, 3, 4, 4, generator=gen)
+        text = torch.randn(caption_tokens, tiny.TEXT_DIM, generator=gen)
+        table.append({"id": f"r-{n}", "vae_latent_bytes": latent.numpy().tobytes(),
+                      "vae_latent_shape": list(latent.shape), "vae_latent_dtype": "float32",
+                      "text_embedding_bytes": text.numpy().tobytes(),
+                      "text_embedding_shape": list(text.shape), "text_embedding_dtype": "float32",
+                      "file_name": f"{n}.mp4", "caption": f"clip {n}", "media_type": "video",
+                      "width": 32, "height": 32, "num_frames": 9, "duration_sec": 0.5, "fps": 16.0})
+    root.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(table, schema=T2V_SCHEMA), root / "part-0.parquet")
+    return root
+
+
+def _a14b(pipeline_dir: Path, root: Path) -> Path:
+    """The tiny pipeline as a Wan2.2 A14B directory: two experts and a boundary."""
+    import json
+    import shutil
+
+    shutil.copytree(pipeline_dir, root)
+    shutil.copytree(root / "transformer", root / "transformer_2")
+    index = json.loads((root / "model_index.json").read_text())
+    index.update(transformer_2=index["transformer"], boundary_ratio=0.875)
+    (root / "model_index.json").write_text(json.dumps(index))
+    return root
+
+
+def test_an_expert_folder_of_an_a14b_directory_gets_the_directory_defaults(pipeline_dir, tmp_path):
+    moe = _a14b(pipeline_dir, tmp_path / "a14b")
+    data = _encoded(tmp_path / "data", caption_tokens=40)
+    common = ("--synthetic_data", "false", "--data_path", str(data))
+    high = _resolve(tmp_path, moe / "transformer", *common)
+    low = _resolve(tmp_path, moe / "transformer_2", *common)
+    for args in (high, low):
+        assert args.text_encoder == str(moe / "text_encoder")
+        assert args.vae_path == str(moe / "vae")
+        assert args.text_max_tokens == 512 and args.train_timestep_shift == tiny.FLOW_SHIFT
+
+
+def test_captions_longer_than_text_max_tokens_are_refused_unless_cutting_is_chosen(pipeline_dir,
+                                                                                   tmp_path):
+    from trainer.config.schema import ConfigError
+
+    data = _encoded(tmp_path / "data", caption_tokens=40)
+    common = ("--synthetic_data", "false", "--data_path", str(data), "--validation_interval", "-1")
+    with pytest.raises(ConfigError) as info:
+        _resolve(tmp_path, pipeline_dir, *common, "--text_max_tokens", "8")
+    text = str(info.value)
+    assert "8 of the 8 stored caption embeddings are longer than text_max_tokens 8" in text
+    assert "the longest has 40 tokens" in text and "allow_caption_truncation" in text
+    args = _resolve(tmp_path, pipeline_dir, *common, "--text_max_tokens", "8",
+                    "--allow_caption_truncation", "true")
+    assert args.text_max_tokens == 8
+    # packs keep every caption whole: nothing is cut, nothing is refused
+    _resolve(tmp_path, pipeline_dir, *common, "--text_max_tokens", "8",
+             "--packing_token_budget", "200")
+
+
+def _without_text_encoder(pipeline_dir: Path, root: Path) -> Path:
+    import shutil
+
+    shutil.copytree(pipeline_dir, root)
+    shutil.rmtree(root / "text_encoder")
+    shutil.rmtree(root / "tokenizer")
+    return root
+
+
+def test_a_directory_without_text_encoder_trains_what_needs_none(pipeline_dir, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    bare = _without_text_encoder(pipeline_dir, tmp_path / "no-encoder")
+    data = _encoded(tmp_path / "data", caption_tokens=12)
+    out = tmp_path / "out"
+    command = [sys.executable, "trainer/train.py", "--config", "config/wan/tiny-sft.yaml",
+               "--make_tiny_wan", "false", "--pretrained_transformer_path", str(bare),
+               "--synthetic_data", "false", "--data_path", str(data), "--output_dir", str(out),
+               "--validation_interval", "-1", "--cfg_drop_prob", "0", "--max_steps", "2",
+               "--save_interval", "2", "--log_interval", "1", "--train_batch_size", "4"]
+    proc = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((out / "run-result.json").read_text())["status"] == "completed"
+    # caption dropout needs the empty caption's embedding: the refusal names it and its way out
+    proc = subprocess.run([*command, "--cfg_drop_prob", "0.1", "--dry-run"], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "text_encoder/" in proc.stderr and "cfg_drop_prob 0.1; 0 turns dropout off" in proc.stderr
+    assert "Traceback" not in proc.stderr

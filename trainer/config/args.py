@@ -25,6 +25,7 @@ import yaml
 
 from trainer.encoders.directories import pipeline_defaults
 from trainer.preflight import validate_args
+from trainer.source_model import inherited_architecture
 from trainer.config.schema import (ARGS, LEGACY_KEYS, MODEL_KEYS_IN_OVERRIDES, SECTIONS, Arg, ConfigError,
                             ResolvedArgs, closest_key)
 
@@ -374,7 +375,8 @@ def merge_args(yaml_values: dict[str, Any], cli_values: dict[str, Any]) -> Resol
 def resolve_config(config: str | None, overrides: list[str] | dict[str, Any] = (), *,
                    world_size: int | None = None, cwd: str | os.PathLike | None = None,
                    check_paths: bool = True, check_weights: bool = False,
-                   written_before: tuple[str, ...] = ()) -> ResolvedArgs:
+                   written_before: tuple[str, ...] = (),
+                   produced: dict[str, dict[str, Any]] | None = None) -> ResolvedArgs:
     """Resolve a YAML plus overrides exactly as train.py does. Raises ConfigError.
 
     `overrides` is either the command-line tokens (["--learning_rate", "3e-4"]) or a mapping of
@@ -382,6 +384,9 @@ def resolve_config(config: str | None, overrides: list[str] | dict[str, Any] = (
     `cwd` (default: the current directory). check_weights also checks that the weights a warm
     start would read exist (for a run started on its own; a pipeline checks its own chain).
     written_before: pipeline directories an earlier stage writes first (preflight.validate_args).
+    produced: {output_dir: model config} of earlier stages of a pipeline that have not written
+    their checkpoints yet: a run starting from one inherits that architecture
+    (trainer.source_model).
     """
     if isinstance(overrides, dict):
         cli = {}
@@ -398,6 +403,8 @@ def resolve_config(config: str | None, overrides: list[str] | dict[str, Any] = (
     _absolute_paths_skip_config(args, Path(cwd) if cwd else Path.cwd())
     # A diffusers pipeline directory's components fill what the YAML and command line left unset.
     args.update(pipeline_defaults(args, set(yaml_values) | set(cli)))
+    # A relay run it starts from gives the architecture the YAML and command line left unset.
+    args.update(inherited_architecture(args, produced))
     validate_args(args, world_size=world_size, check_paths=check_paths,
                   check_weights=check_weights, written_before=tuple(written_before))
     return args

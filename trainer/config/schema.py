@@ -92,6 +92,11 @@ SECTIONS: dict[str, list[Arg]] = {
         Arg("text_max_tokens", "int", 8,
             "Caption length in tokens (padded and masked); also the length captions are "
             "encoded to when the data stores no caption embeddings."),
+        Arg("allow_caption_truncation", "bool", False,
+            "Train stacked batches on stored caption embeddings longer than text_max_tokens "
+            "cut to their first text_max_tokens tokens. false: such data is refused before "
+            "the run starts, with the count and the longest caption (packs keep every "
+            "caption whole and need no cut)."),
         Arg("text_encoder_hidden_state_skip_layer", "int", 0,
             "How many final layers of a real text encoder to drop: the caption embedding is "
             "the hidden state that many layers before the last. Encoding and inference must "

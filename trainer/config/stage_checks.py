@@ -23,6 +23,22 @@ STAGE_CAPABILITIES: dict[str, tuple[str, ...]] = {
 }
 
 
+def null_caption_uses(args) -> list[str]:
+    """What in the run's stage reads the empty caption's embedding (caption dropout, guidance),
+    each with the setting that removes the need; [] when nothing does."""
+    uses = []
+    if args.get("cfg_drop_prob", 0) > 0:
+        uses.append(f"caption dropout's empty caption (cfg_drop_prob {args.cfg_drop_prob}; 0 "
+                    f"turns dropout off)")
+    if args.get("stage") == "tf_anyflow" and args.get("anyflow_fuse_guidance_scale", 1.0) != 1.0:
+        uses.append(f"the guidance fused into Stage1's target (anyflow_fuse_guidance_scale "
+                    f"{args.anyflow_fuse_guidance_scale}; 1 fuses none)")
+    if args.get("stage") == "dmd_sgf" and args.get("real_guidance_scale", 0.0) != 0.0:
+        uses.append(f"the teacher's guidance (real_guidance_scale {args.real_guidance_scale}; 0 "
+                    f"scores with the unguided teacher)")
+    return uses
+
+
 def validate_stage(args: ResolvedArgs) -> None:
     """Raise ConfigError when args.stage cannot run with these arguments (warn where harmless)."""
     validate_lora(args)  # first: a stage a LoRA cannot train is refused for that reason

@@ -381,6 +381,7 @@ def data_problems(args, scan: DataScan) -> list[str]:
         return problems + [f"data_path ({len(readable)} shards) holds no usable rows "
                            f"(every row's vae_latent_shape or text_embedding_shape is null or "
                            f"malformed; relay data inspect lists them)."]
+    problems += _caption_cut_problems(args, scan)
     budget = args.get("packing_token_budget")
     tokens = sample_tokens(shape, text_len, patch)
     if budget is not None and tokens.max() > budget:
@@ -401,6 +402,29 @@ def data_problems(args, scan: DataScan) -> list[str]:
                     f"image_sample_prob: {0.0 if name == 'image' else 1.0} (or null), or add "
                     f"{name} data to data_path.")
     return problems
+
+
+def captions_cut(args, scan: DataScan) -> tuple[int, int, int]:
+    """(stored caption embeddings longer than text_max_tokens, rows with embeddings, the
+    longest's tokens) for a run of stacked batches, which cut them; (0, rows, longest) when the
+    run packs (a pack keeps every caption whole) or the data stores no embeddings."""
+    lengths = np.concatenate([s.text_len for s in scan.readable if s.has_text] or [np.zeros(0, np.int64)])
+    longest = int(lengths.max()) if len(lengths) else 0
+    if batching(args).budget is not None:
+        return 0, len(lengths), longest
+    return int((lengths > args.text_max_tokens).sum()), len(lengths), longest
+
+
+def _caption_cut_problems(args, scan: DataScan) -> list[str]:
+    cut, rows, longest = captions_cut(args, scan)
+    if not cut or args.get("allow_caption_truncation"):
+        return []
+    limit = args.text_max_tokens
+    return [f"{cut} of the {rows} stored caption embeddings are longer than text_max_tokens "
+            f"{limit} (the longest has {longest} tokens): stacked batches would train on their "
+            f"first {limit} tokens only. Set text_max_tokens: {longest} to keep them whole, or "
+            f"packing_token_budget (packs keep every caption at its own length), or "
+            f"allow_caption_truncation: true to train on the cut captions on purpose."]
 
 
 @dataclass(frozen=True)

@@ -78,14 +78,24 @@ def missing_tokenizer(directory) -> str | None:
 
 
 def pipeline_root(path) -> Path | None:
-    """The diffusers pipeline directory `path` names (it, or the pipeline whose transformer/
-    folder it is), or None when it names none (a file, a relay checkpoint, a bare folder)."""
+    """The diffusers pipeline directory `path` names (it, or the pipeline one of whose
+    component folders it is: transformer/, Wan2.2 A14B's transformer_2/, any folder its
+    model_index.json lists), or None when it names none (a file, a relay checkpoint, a bare
+    folder)."""
     if path is None:
         return None
     root = Path(path)
     if (root / "model_index.json").is_file():
         return root
-    if root.name == "transformer" and (root.parent / "model_index.json").is_file():
+    index = root.parent / "model_index.json"
+    if not index.is_file() or not root.is_dir() and root.name not in ("transformer", "transformer_2"):
+        return None
+    try:
+        listed = json.loads(index.read_text())
+    except (OSError, ValueError):
+        listed = {}
+    if root.name in ("transformer", "transformer_2") or \
+            (isinstance(listed, dict) and root.name in listed and not root.name.startswith("_")):
         return root.parent
     return None
 
@@ -119,11 +129,14 @@ def pipeline_defaults(args: dict[str, Any], explicit: set[str] | frozenset[str])
     if root is None:
         return {}
     found: dict[str, Any] = {
-        "text_encoder": str(root / "text_encoder"),
         "text_max_tokens": WAN_TEXT_LEN,
         "validation_steps": WAN_SAMPLING_STEPS,
         "validation_guidance": WAN_GUIDANCE,
     }
+    # A directory without text_encoder/ still trains what needs no encoder (pre-encoded
+    # captions, no validation, no dropout or guidance); a need is refused by preflight.
+    if unwritten or (root / "text_encoder").is_dir() or text_encoder_uses(args):
+        found["text_encoder"] = str(root / "text_encoder")
     validates = args.get("validation_interval", 0) >= 0
     if validates or (root / "vae").is_dir():
         found["vae_path"] = str(root / "vae")
@@ -135,6 +148,36 @@ def pipeline_defaults(args: dict[str, Any], explicit: set[str] | frozenset[str])
     return {key: value for key, value in found.items() if key not in explicit}
 
 
+def text_encoder_uses(args: dict[str, Any]) -> list[str]:
+    """What in the run encodes text, each with the setting that removes the need: validation
+    prompts, captions stored without embeddings, the synthetic clips' captions, the empty
+    caption of dropout and guidance; [] when nothing does."""
+    from trainer.config.stage_checks import null_caption_uses
+
+    uses = []
+    if args.get("validation_interval", -1) >= 0:
+        uses.append(f"validation prompts (validation_interval {args['validation_interval']}; -1 "
+                    f"trains without validation)")
+    if args.get("synthetic_data"):
+        uses.append("the synthetic clips' captions (synthetic_data: true; point data_path at "
+                    "encoded data instead)")
+    elif args.get("data_path") is not None and not _data_stores_embeddings(args["data_path"]):
+        uses.append("the data's captions, stored without embeddings (store them with relay "
+                    "data encode)")
+    return uses + null_caption_uses(args)
+
+
+def _data_stores_embeddings(data_path) -> bool:
+    """Whether the data stores caption embeddings; True when it cannot be read here (the data
+    checks report unreadable data)."""
+    from trainer.data.index import data_stores_text_embeddings
+
+    try:
+        return data_stores_text_embeddings(data_path)
+    except Exception:  # noqa: BLE001 - reported by the data checks
+        return True
+
+
 def tiny_wan_pending(args: dict[str, Any]) -> bool:
     """Whether the run writes trainer.models.wan.tiny's pipeline at pretrained_transformer_path
     first (make_tiny_wan, and nothing there yet): its folders are then checked once written."""
@@ -142,9 +185,10 @@ def tiny_wan_pending(args: dict[str, Any]) -> bool:
     return bool(args.get("make_tiny_wan")) and path is not None and not Path(path).exists()
 
 
-def missing_component(root, key: str, directory) -> str | None:
+def missing_component(root, key: str, directory, uses: list[str] = ()) -> str | None:
     """One paragraph when `directory`, the value of `key` defaulted from the pipeline directory
-    `root`, is not there; None when it is (or when it is not one of root's folders)."""
+    `root`, is not there; None when it is (or when it is not one of root's folders). `uses`:
+    what in the run needs it (text_encoder_uses), named with the setting that removes each."""
     directory = Path(directory)
     if directory.parent != Path(root):
         return None
@@ -155,7 +199,9 @@ def missing_component(root, key: str, directory) -> str | None:
             "text_encoder": "text_encoder/ and tokenizer/ (the encoder of prompts and of the "
                             "null caption)"}[key]
     absent = directory.name + "/" if not config.is_file() else "tokenizer/"
+    needed = (f" The run needs it for {'; '.join(uses)}." if uses else "")
     return (f"pretrained_transformer_path {root} is a diffusers pipeline directory, so the run "
-            f"uses its {what}, but {absent} is missing or incomplete there. Fetch the complete "
-            f"pipeline directory (model_index.json, transformer/, vae/, text_encoder/, "
-            f"tokenizer/, scheduler/), or set `{key}` to a directory that holds it.")
+            f"uses its {what}, but {absent} is missing or incomplete there.{needed} Fetch the "
+            f"complete pipeline directory (model_index.json, transformer/, vae/, text_encoder/, "
+            f"tokenizer/, scheduler/), set `{key}` to a directory that holds it"
+            + (", or change the settings above so nothing needs it." if uses else "."))

@@ -107,6 +107,11 @@ class ModelFamily(ABC):
     # started from a two-time one drops them, a two-time one started from a single-time one
     # initialises them from the first time input.
     second_time_keys: ClassVar[tuple[str, ...]] = ()
+    # Config keys that say how a run uses the weights rather than what they are (causal chunks,
+    # the second time input, the attention kernel): a run started from another relay run
+    # inherits every other key of that run's config and sets these itself
+    # (trainer.source_model).
+    run_config_keys: ClassVar[tuple[str, ...]] = ()
     # The linear layers a LoRA adapts when lora_target_modules is empty (entries as
     # trainer.models.lora_targets matches them); () means the family names none, and a LoRA run
     # must name its targets.

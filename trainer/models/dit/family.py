@@ -20,6 +20,8 @@ class DiTFamily(ModelFamily):
     capabilities = frozenset({"per_frame_times", "packed", "teacher_forcing", "kv_cache",
                               "two_time", "context_parallel"})
     second_time_keys = ("r_embedder.*",)
+    run_config_keys = ("causal_chunk_size", "attn_window_chunks", "two_time", "time_gate",
+                       "attention_backend")
     # Attention in and out of every block; the MLP (mlp.0, mlp.2) on request.
     lora_target_modules = ("qkv", "proj")
 

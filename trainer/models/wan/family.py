@@ -37,6 +37,7 @@ class WanFamily(ModelFamily):
                               "two_time", "context_parallel"})
     second_time_keys = (SECOND_TIME_PREFIX + "*",)
     lora_target_modules = WAN_LORA_TARGETS
+    run_config_keys = RELAY_KEYS
     # Measured on one H200 at Wan2.1-1.3B size and at hidden 5120 x 8 blocks, and through
     # train.py's SFT, Stage1 and Stage2 at 1.3B with checkpointing (trainer.parallel.memory_estimate).
     activation_bytes = 36.5

@@ -72,8 +72,12 @@ def build_tokenizer():
 
 
 def write_tiny_wan_pipeline(directory, *, seed: int = 0, flow_shift: float = FLOW_SHIFT,
-                            overwrite: bool = False) -> Path:
+                            overwrite: bool = False, latent_channels: int = LATENT_CHANNELS,
+                            transformer: dict | None = None) -> Path:
     """Write a tiny random Wan text-to-video pipeline into `directory` (created) and return it.
+
+    `latent_channels` sizes the VAE's latents and the transformer's in/out channels;
+    `transformer` replaces entries of TRANSFORMER (another width, depth or head count).
 
     The same seed writes the same weights. An existing complete directory (model_index.json
     present) is left as it is unless overwrite=True; the directory is written under a temporary
@@ -98,11 +102,14 @@ def write_tiny_wan_pipeline(directory, *, seed: int = 0, flow_shift: float = FLO
 
     tokenizer = build_tokenizer()
     generator = torch.Generator().manual_seed(seed)
-    mean = (torch.randn(LATENT_CHANNELS, generator=generator) * 0.1).tolist()
-    std = (0.5 + torch.rand(LATENT_CHANNELS, generator=generator)).tolist()
+    mean = (torch.randn(latent_channels, generator=generator) * 0.1).tolist()
+    std = (0.5 + torch.rand(latent_channels, generator=generator)).tolist()
+    shape = {**TRANSFORMER, "in_channels": latent_channels, "out_channels": latent_channels,
+             **(transformer or {})}
     with _seeded(torch, seed):
-        transformer = WanTransformer3DModel(**TRANSFORMER)
-        vae = AutoencoderKLWan(**VAE, latents_mean=mean, latents_std=std)
+        transformer = WanTransformer3DModel(**shape)
+        vae = AutoencoderKLWan(**{**VAE, "z_dim": latent_channels}, latents_mean=mean,
+                               latents_std=std)
         text_encoder = UMT5EncoderModel(UMT5Config(
             vocab_size=len(tokenizer), pad_token_id=0, eos_token_id=1,
             decoder_start_token_id=0, **TEXT_ENCODER))

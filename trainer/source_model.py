@@ -1,0 +1,85 @@
+"""The architecture a run inherits from the relay run it starts from (no torch here).
+
+A stage that starts from another relay run (its output_dir, a checkpoint-<step>/, one of its
+member directories, or a `relay export` file with model_config.json beside it) builds the model
+that run recorded, so its YAML needs only what the stage itself changes: the family's
+`run_config_keys` (causal chunks, the second time input, the attention kernel). A key the
+stage's transformer_config_overrides sets still wins. A diffusers directory defines the
+architecture through the family (its transformer/config.json), not through this module.
+
+Under `relay submit` and `relay run` a stage may start from the output_dir of an earlier stage
+that has not run yet: it inherits the config that stage was validated with (`produced`), the
+config the earlier stage will record.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+from trainer.checkpoint.layout import CheckpointError, list_checkpoints, read_complete
+from trainer.checkpoint.weights_source import MODEL_CONFIG_FILE
+from trainer.models.registry import family_of
+
+
+def model_source_key(args: Mapping[str, Any]) -> str | None:
+    """The key naming the weights the run's own model starts from (its student's for a stage
+    with several roles), or None when it starts from nothing."""
+    from trainer.preflight import WEIGHT_KEYS
+
+    keys = WEIGHT_KEYS.get(args.get("stage"))
+    if not keys:
+        return None
+    key = keys[0][0]
+    if key == "pretrained_transformer_path" and not args.get("load_transformer_weights"):
+        return None
+    return key
+
+
+def recorded_model_config(path: str | Path) -> dict[str, Any] | None:
+    """The model config a relay run recorded for the weights at `path` (the COMPLETE marker of
+    the checkpoint it names, or of an output_dir's newest complete one; model_config.json
+    beside an exported file), or None when `path` is none of those or records none."""
+    path = Path(path)
+    try:
+        if path.is_file():
+            beside = path.parent / MODEL_CONFIG_FILE
+            return json.loads(beside.read_text()) if beside.is_file() else None
+        for checkpoint in (path, path.parent):
+            if checkpoint.name.startswith("checkpoint-") and (checkpoint / "COMPLETE").is_file():
+                return read_complete(checkpoint).get("model_config")
+        checkpoints = list_checkpoints(path)
+        return read_complete(checkpoints[-1]).get("model_config") if checkpoints else None
+    except (OSError, ValueError, CheckpointError):
+        return None  # the weights check reports an unreadable source
+
+
+def inherited_architecture(args: Mapping[str, Any],
+                           produced: Mapping[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """{"transformer_config_overrides": ...} with the architecture the run's source recorded
+    under the keys the run set itself; {} when the source records none (a diffusers
+    directory, a plain state dict, nothing yet). `produced`: {output_dir: model config} of
+    earlier stages of a pipeline that have not written their checkpoints yet."""
+    key = model_source_key(args)
+    source = args.get(key) if key else None
+    if source is None:
+        return {}
+    recorded = recorded_model_config(source)
+    if recorded is None:
+        recorded = next((config for directory, config in (produced or {}).items()
+                         if _is_within(source, directory)), None)
+    if not isinstance(recorded, dict):
+        return {}
+    family = family_of(args)
+    overrides = dict(args.get("transformer_config_overrides") or {})
+    keep = set(family.defaults()) - set(family.run_config_keys) - set(overrides)
+    inherited = {k: v for k, v in recorded.items() if k in keep}
+    if not inherited:
+        return {}
+    return {"transformer_config_overrides": {**inherited, **overrides}}
+
+
+def _is_within(path: str, directory: str) -> bool:
+    path, directory = Path(path), Path(directory)
+    return path == directory or directory in path.parents
