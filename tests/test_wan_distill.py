@@ -364,19 +364,27 @@ def test_the_shipped_distill_chains_dry_run_with_two_lines_edited(name, tmp_path
 
 
 def test_a_diverging_wan_critic_stops_stage2_saved_with_a_sentence(chain):
-    """The health gate over wan's Stage2 statistics: a critic learning rate of 1.0 diverges,
-    the run saves, says why in one sentence and exits 1."""
+    """The health gate over wan's Stage2 statistics: 6 healthy steps, then the same run
+    resumed at a critic learning rate of 1.0 diverges; the run saves, says why in one sentence
+    and exits 1. Checkpoints every 2 steps, one kept: the newest saved before the critic's
+    first unhealthy reading (checkpoint-6) survives every prune, and the sentence names it."""
     reference, out = chain["reference"], chain["tmp"] / "broken"
     source = chain["tmp"] / "tiny-wan"
-    proc = subprocess.run(
-        [sys.executable, "trainer/train.py", "--config", "config/wan/tiny-stage2.yaml",
-         "--student_init_path", str(reference / "stage1"), "--teacher_init_path",
-         str(reference / "sft"), "--critic_init_path", str(reference / "sft"),
-         "--data_path", str(chain["tmp"] / "data"), "--synthetic_num_samples", "8",
-         "--vae_path", str(source / "vae"), "--text_encoder", str(source / "text_encoder"),
-         "--output_dir", str(out), "--critic_learning_rate", "1.0", "--max_steps", "30",
-         "--validation_interval", "-1", "--log_interval", "1", "--save_interval", "100"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+
+    def stage2(critic_lr: str, max_steps: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "trainer/train.py", "--config", "config/wan/tiny-stage2.yaml",
+             "--student_init_path", str(reference / "stage1"), "--teacher_init_path",
+             str(reference / "sft"), "--critic_init_path", str(reference / "sft"),
+             "--data_path", str(chain["tmp"] / "data"), "--synthetic_num_samples", "8",
+             "--vae_path", str(source / "vae"), "--text_encoder", str(source / "text_encoder"),
+             "--output_dir", str(out), "--critic_learning_rate", critic_lr,
+             "--max_steps", max_steps, "--validation_interval", "-1", "--log_interval", "1",
+             "--save_interval", "2", "--save_total_limit", "1"],
+            cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+
+    assert stage2("0.03", "6").returncode == 0
+    proc = stage2("1.0", "30")
     assert proc.returncode == 1, proc.stderr[-3000:]
     result = json.loads((out / "run-result.json").read_text())
     stop = result["stop_reason"]
@@ -386,4 +394,13 @@ def test_a_diverging_wan_critic_stops_stage2_saved_with_a_sentence(chain):
     assert (out / f"checkpoint-{stop['step']}" / "COMPLETE").is_file()
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["critic_loss_rel"] == pytest.approx(1.0)
+    assert max(r["critic_loss_rel"] for r in records if r["step"] <= 6) < 10
     assert records[-1]["critic_loss_rel"] > 10
+    onset = min(r["step"] for r in records if r["critic_loss_rel"] > 10)
+    assert stop["onset"] == onset > 6 and records[-1]["step"] - onset >= 4  # patience 5
+    healthy = out / "checkpoint-6"  # the newest save before the onset
+    assert stop["healthy_checkpoint"] == str(healthy) and (healthy / "COMPLETE").is_file()
+    assert "checkpoint-6" in result["error"] and f"step {onset}" in result["error"]
+    # the saves between the onset and the stop were pruned as save_total_limit 1 says
+    kept = sorted(p.name for p in out.glob("checkpoint-*"))
+    assert kept == sorted({healthy.name, f"checkpoint-{stop['step']}"})

@@ -216,6 +216,9 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
             preempted = any_rank(handler.requested)
             stop = gate.observe(step, {**numbers, **(record or {})})
             unhealthy = any_rank(stop is not None)  # validation scores live on rank 0 only
+            # While a reading is unhealthy, the newest checkpoint saved before it outlives any
+            # prune: it is what the run would go on from at a gentler setting.
+            manager.keep = _last_healthy_checkpoint(out, gate.unhealthy_since())
             if (preempted or unhealthy or step % args.save_interval == 0
                     or step == args.max_steps):
                 with interrupts_deferred():
@@ -224,8 +227,11 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
             if unhealthy:
                 status = "failed"
                 if stop is not None:
-                    result.update(error=stop.message, stop_reason=stop.to_json())
-                    log.error("%s Saved checkpoint-%d.", stop.message, step)
+                    message = f"{stop.message} {_kept_advice(out, step, manager.keep, stop.onset)}"
+                    result.update(error=message, stop_reason={
+                        **stop.to_json(), "message": message,
+                        "healthy_checkpoint": str(manager.keep) if manager.keep else None})
+                    log.error("%s", message)
                 break
             if preempted:
                 status = "preempted"
@@ -241,6 +247,25 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
         tracker.finish()
     result["status"] = status
     return {"preempted": PREEMPTED_EXIT_CODE, "failed": 1}.get(status, 0)
+
+
+def _last_healthy_checkpoint(out: Path, unhealthy_since: int | None) -> Path | None:
+    """The newest complete checkpoint saved before step `unhealthy_since`; None when every
+    reading is healthy or none was saved before it."""
+    if unhealthy_since is None:
+        return None
+    before = [path for step, path in ckpt.scan_output_dir(out).marked if step < unhealthy_since]
+    return before[-1] if before else None
+
+
+def _kept_advice(out: Path, step: int, kept: Path | None, onset: int | None) -> str:
+    """The sentence a gate's stop ends with: which checkpoint to go on from, and how."""
+    if kept is None:
+        return (f"Saved checkpoint-{step}; no checkpoint was saved before the first unhealthy "
+                f"reading (step {onset}): start the stage again with the change above.")
+    return (f"Saved checkpoint-{step} (the state at the stop); {kept.name}, the newest checkpoint "
+            f"before the first unhealthy reading (step {onset}), is kept: to go on from it, move "
+            f"the checkpoints after it out of {out} and run again with the change above.")
 
 
 def _validate(stage, args: ResolvedArgs, step: int, out: Path, topo: Topology) -> dict:

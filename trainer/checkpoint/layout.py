@@ -254,12 +254,13 @@ def quarantine_checkpoint(path: str | os.PathLike, reason: str) -> Path | None:
 
 
 def prune_checkpoints(
-    output_dir: str | os.PathLike, keep: int, *, protect: str | os.PathLike | None = None
+    output_dir: str | os.PathLike, keep: int, *,
+    protect: str | os.PathLike | tuple[str | os.PathLike, ...] | None = None
 ) -> list[Path]:
     """Delete the oldest complete checkpoints so that `keep` remain; return what was deleted.
 
     `keep < 1` keeps everything. The newest complete checkpoint and `protect` (the one just
-    written) are never deleted; `.tmp`, `.bad` and unmarked directories are never touched.
+    written, and any other the caller must keep) are never deleted; `.tmp`, `.bad` and unmarked directories are never touched.
     A directory is first renamed `checkpoint-<step>.deleting` so a half-deleted checkpoint can
     never be mistaken for a complete one. A failed delete is logged and skipped: it must never
     stop training. Leftover `.deleting` directories from an interrupted prune are removed too.
@@ -270,7 +271,8 @@ def prune_checkpoints(
     if keep >= 1 and len(scan.marked) > keep:
         protected = {scan.marked[-1][1].resolve()}
         if protect is not None:
-            protected.add(Path(protect).resolve())
+            kept = protect if isinstance(protect, (tuple, list)) else (protect,)
+            protected.update(Path(p).resolve() for p in kept)
         for _, path in scan.marked[:-keep]:
             if path.resolve() in protected:
                 continue

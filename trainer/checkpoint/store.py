@@ -224,6 +224,7 @@ class _SaveJob:
     model_config: dict[str, Any] | None
     save_total_limit: int
     process_group: dist.ProcessGroup | None
+    protect: tuple[Path, ...] = ()  # checkpoints the prune after this save must keep
 
 
 def _snapshot_training_state(training_state: dict[str, Any]) -> dict[str, Any]:
@@ -249,7 +250,8 @@ def _prepare_job(output_dir: str | os.PathLike, step: int, *, members: Mapping[s
                  training_state: dict[str, Any], dataloader_state: Any, topology: _Topology,
                  config_digest: str, model_config: dict[str, Any] | None,
                  extra_files: Mapping[str, str | bytes] | None, save_total_limit: int,
-                 process_group: dist.ProcessGroup | None) -> _SaveJob:
+                 process_group: dist.ProcessGroup | None,
+                 protect: tuple[Path, ...] = ()) -> _SaveJob:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"checkpoint step must be a non-negative int, got {step!r}")
     if not members:
@@ -279,6 +281,7 @@ def _prepare_job(output_dir: str | os.PathLike, step: int, *, members: Mapping[s
         model_config=json.loads(json.dumps(model_config)) if model_config is not None else None,
         save_total_limit=save_total_limit,
         process_group=process_group,
+        protect=tuple(protect),
     )
 
 
@@ -372,7 +375,7 @@ def _write_and_commit(job: _SaveJob) -> Path:
     if is_rank0:
         log.info("saved %s", final)
         if job.save_total_limit >= 1:
-            prune_checkpoints(job.output_dir, job.save_total_limit, protect=final)
+            prune_checkpoints(job.output_dir, job.save_total_limit, protect=(final, *job.protect))
     return final
 
 
@@ -538,6 +541,9 @@ class CheckpointManager:
             self._stager = _new_stager()
         self._in_flight: Future | None = None
         self._in_flight_step: int | None = None
+        # A checkpoint no prune may delete while it is set (the health gate's newest one saved
+        # before the run turned unhealthy); None: pruning follows save_total_limit alone.
+        self.keep: Path | None = None
         self.timings: list[SaveTiming] = []
 
     @property
@@ -575,6 +581,7 @@ class CheckpointManager:
             topology=_topology(world_size, dp_world, dp_rank, cp_size, cp_rank),
             config_digest=config_digest, model_config=model_config, extra_files=extra_files,
             save_total_limit=self.save_total_limit, process_group=self.process_group,
+            protect=(Path(self.keep),) if self.keep is not None else (),
         )
         final = checkpoint_dir(self.output_dir, step)
         if _should_skip(job):

@@ -36,9 +36,11 @@ class StopReason:
     step: int
     gate: str
     message: str
+    onset: int | None = None  # the first step of the unhealthy streak that stopped the run
 
     def to_json(self) -> dict:
-        return {"step": self.step, "gate": self.gate, "message": self.message}
+        return {"step": self.step, "gate": self.gate, "message": self.message,
+                "onset": self.onset}
 
 
 def watched_score(record: dict, name: str = "mean_score") -> tuple[str, float] | None:
@@ -68,12 +70,14 @@ class Trend:
     best: float | None = None
     best_step: int | None = None
     below: int = 0
+    since: int | None = None  # the step of the first degraded observation in the row
 
     def update(self, step: int, value: float, limit_from_best) -> int:
         """Take `value`; it is degraded below limit_from_best(best). Returns the count in a row."""
         if self.best is None or value > self.best:
             self.best, self.best_step = value, step
         self.below = self.below + 1 if value < limit_from_best(self.best) else 0
+        self.since = (self.since or step) if self.below else None
         return self.below
 
 
@@ -92,7 +96,18 @@ class HealthGate:
         self.score = Trend()
         self.critic_over = 0
         self.critic_under = 0
+        self.critic_since: int | None = None  # the first step of the critic's streak
         self.samples = {name: Trend() for name in SAMPLE_COLLAPSES}
+
+    def unhealthy_since(self) -> int | None:
+        """The first step of the earliest unhealthy streak still running (a reading past a
+        limit, not yet for its patience), or None while every reading is healthy. The loop
+        keeps the newest checkpoint saved before it from being pruned."""
+        if not self.enabled:
+            return None
+        starts = [self.critic_since, self.score.since,
+                  *(trend.since for trend in self.samples.values())]
+        return min((s for s in starts if s is not None), default=None)
 
     def observe(self, step: int, numbers: dict) -> StopReason | None:
         """Feed one step's numbers (with its validation scores when it validated); returns the
@@ -110,15 +125,16 @@ class HealthGate:
         under = self.critic_min_ratio > 0 and ratio < self.critic_min_ratio
         self.critic_over = self.critic_over + 1 if over else 0
         self.critic_under = self.critic_under + 1 if under else 0
+        self.critic_since = (self.critic_since or step) if over or under else None
         if self.critic_over >= self.critic_patience:
-            return StopReason(step, "critic", (
+            return StopReason(step, "critic", onset=self.critic_since, message=(
                 f"health gate: the critic's FM loss has been more than "
                 f"{self.critic_max_ratio:g}x its value at the start of Stage2 for "
                 f"{self.critic_over} steps in a row (now {ratio:.3g}x at step {step}): the "
                 f"critic is diverging. Lower critic_learning_rate (or learning_rate), or raise "
                 f"health_critic_max_ratio."))
         if self.critic_under >= self.critic_patience:
-            return StopReason(step, "critic", (
+            return StopReason(step, "critic", onset=self.critic_since, message=(
                 f"health gate: the critic's FM loss has been below {self.critic_min_ratio:g}x "
                 f"its value at the start of Stage2 for {self.critic_under} steps in a row (now "
                 f"{ratio:.3g}x at step {step}): the critic predicts the student's samples "
@@ -139,7 +155,7 @@ class HealthGate:
             trend = self.samples[name]
             if trend.update(step, value, lambda best: self.sample_min_ratio * best) \
                     >= self.score_patience:
-                return StopReason(step, "samples", (
+                return StopReason(step, "samples", onset=trend.since, message=(
                     f"health gate: the validation samples {what}: {key} ({meaning}) has been "
                     f"below {self.sample_min_ratio:g} of its highest ({trend.best:.4f} at step "
                     f"{trend.best_step}) for {trend.below} validations in a row (now "
@@ -156,7 +172,7 @@ class HealthGate:
         trend = self.score
         if trend.update(step, score, lambda best: best - self.margin) < self.score_patience:
             return None
-        return StopReason(step, "validation", (
+        return StopReason(step, "validation", onset=trend.since, message=(
             f"health gate: validation {key} has been more than {self.margin:g} below its best "
             f"({trend.best:.3f} at step {trend.best_step}) for {trend.below} validations in a "
             f"row (now {score:.3f} at step {step}): the samples are getting worse. The best "
