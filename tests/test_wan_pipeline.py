@@ -302,7 +302,7 @@ def test_captions_longer_than_text_max_tokens_are_refused_unless_cutting_is_chos
     with pytest.raises(ConfigError) as info:
         _resolve(tmp_path, pipeline_dir, *common, "--text_max_tokens", "8")
     text = str(info.value)
-    assert "8 of the 8 stored caption embeddings are longer than text_max_tokens 8" in text
+    assert "8 of the 8 captions of the data are longer than text_max_tokens 8" in text
     assert "the longest has 40 tokens" in text and "allow_caption_truncation" in text
     args = _resolve(tmp_path, pipeline_dir, *common, "--text_max_tokens", "8",
                     "--allow_caption_truncation", "true")
@@ -344,3 +344,29 @@ def test_a_directory_without_text_encoder_trains_what_needs_none(pipeline_dir, t
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "text_encoder/" in proc.stderr and "cfg_drop_prob 0.1; 0 turns dropout off" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_captions_stored_as_text_longer_than_text_max_tokens_are_counted_through_the_tokenizer(
+        pipeline_dir, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from trainer.config.schema import ConfigError
+
+    # captions without embeddings: the run encodes them to text_max_tokens through UMT5
+    gen = torch.Generator().manual_seed(0)
+    rows = [{"id": f"r-{n}", "vae_latent_bytes": torch.randn(4, 3, 4, 4, generator=gen).numpy().tobytes(),
+             "vae_latent_shape": [4, 3, 4, 4], "vae_latent_dtype": "float32",
+             "caption": "a red square moving left" if n % 2 else
+             "a red square and a blue circle moving left and a green triangle moving up"}
+            for n in range(6)]
+    data = tmp_path / "captions"
+    data.mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), data / "part-0.parquet")
+    common = ("--synthetic_data", "false", "--data_path", str(data), "--validation_interval", "-1")
+    with pytest.raises(ConfigError) as info:
+        _resolve(tmp_path, pipeline_dir, *common, "--text_max_tokens", "8")
+    text = str(info.value)  # 15 words + </s>; the short ones are 5 + 1
+    assert "3 of the 6 captions of the data are longer than text_max_tokens 8" in text
+    assert "the longest has 16 tokens" in text and "packing_token_budget" not in text
+    assert _resolve(tmp_path, pipeline_dir, *common, "--text_max_tokens", "16").text_max_tokens == 16

@@ -93,10 +93,10 @@ SECTIONS: dict[str, list[Arg]] = {
             "Caption length in tokens (padded and masked); also the length captions are "
             "encoded to when the data stores no caption embeddings."),
         Arg("allow_caption_truncation", "bool", False,
-            "Train stacked batches on stored caption embeddings longer than text_max_tokens "
-            "cut to their first text_max_tokens tokens. false: such data is refused before "
-            "the run starts, with the count and the longest caption (packs keep every "
-            "caption whole and need no cut)."),
+            "Train on captions longer than text_max_tokens cut to their first "
+            "text_max_tokens tokens (stored embeddings in stacked batches; captions stored "
+            "as text, which are encoded to text_max_tokens). false: such data is refused "
+            "before the run starts, with the count and the longest caption."),
         Arg("text_encoder_hidden_state_skip_layer", "int", 0,
             "How many final layers of a real text encoder to drop: the caption embedding is "
             "the hidden state that many layers before the last. Encoding and inference must "

@@ -405,25 +405,60 @@ def data_problems(args, scan: DataScan) -> list[str]:
 
 
 def captions_cut(args, scan: DataScan) -> tuple[int, int, int]:
-    """(stored caption embeddings longer than text_max_tokens, rows with embeddings, the
-    longest's tokens) for a run of stacked batches, which cut them; (0, rows, longest) when the
-    run packs (a pack keeps every caption whole) or the data stores no embeddings."""
-    lengths = np.concatenate([s.text_len for s in scan.readable if s.has_text] or [np.zeros(0, np.int64)])
+    """(captions the run would cut to text_max_tokens, captions counted, the longest's tokens).
+
+    Stored caption embeddings are cut only in stacked batches (a pack keeps every caption
+    whole); captions stored as text are encoded to text_max_tokens, so they are cut in any
+    batch, and are counted through the run's tokenizer when one can be loaded here."""
+    stored = np.concatenate([s.text_len for s in scan.readable if s.has_text] or
+                            [np.zeros(0, np.int64)])
+    raw = _raw_caption_lengths(args, scan)
+    lengths = np.concatenate([stored, raw])
     longest = int(lengths.max()) if len(lengths) else 0
-    if batching(args).budget is not None:
-        return 0, len(lengths), longest
-    return int((lengths > args.text_max_tokens).sum()), len(lengths), longest
+    limit = args.text_max_tokens
+    cut = int((raw > limit).sum())
+    if batching(args).budget is None:
+        cut += int((stored > limit).sum())
+    return cut, len(lengths), longest
+
+
+def _raw_caption_lengths(args, scan: DataScan) -> np.ndarray:
+    """The token counts of captions stored without embeddings, through the tokenizer of the
+    run's text_encoder directory; none when the data stores embeddings, the encoder is the
+    stand-in (refused for such data by preflight) or transformers is not installed here."""
+    shards = [s for s in scan.readable if not s.has_text]
+    if not shards or args.get("text_encoder", "standin") == "standin":
+        return np.zeros(0, np.int64)
+    try:
+        from transformers import AutoTokenizer
+
+        from trainer.encoders.directories import tokenizer_dir
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir(args.text_encoder)),
+                                                  local_files_only=True)
+        counts = []
+        for shard in shards:
+            captions = pq.read_table(shard.path, columns=["caption"]).column("caption").to_pylist()
+            ids = tokenizer([c or "" for c in captions], truncation=False)["input_ids"]
+            counts.append(np.array([len(i) for i in ids], np.int64))
+    except Exception:  # noqa: BLE001 - no tokenizer here: the job's encoder still cuts at the limit
+        return np.zeros(0, np.int64)
+    return np.concatenate(counts)
 
 
 def _caption_cut_problems(args, scan: DataScan) -> list[str]:
+    if args.get("allow_caption_truncation"):
+        return []
     cut, rows, longest = captions_cut(args, scan)
-    if not cut or args.get("allow_caption_truncation"):
+    if not cut:
         return []
     limit = args.text_max_tokens
-    return [f"{cut} of the {rows} stored caption embeddings are longer than text_max_tokens "
-            f"{limit} (the longest has {longest} tokens): stacked batches would train on their "
-            f"first {limit} tokens only. Set text_max_tokens: {longest} to keep them whole, or "
-            f"packing_token_budget (packs keep every caption at its own length), or "
+    stored = any(s.has_text for s in scan.readable)
+    packs = (", or packing_token_budget (packs keep every stored caption at its own length)"
+             if stored else "")
+    return [f"{cut} of the {rows} captions of the data are longer than text_max_tokens {limit} "
+            f"(the longest has {longest} tokens): the run would train on their first {limit} "
+            f"tokens only. Set text_max_tokens: {longest} to keep them whole{packs}, or "
             f"allow_caption_truncation: true to train on the cut captions on purpose."]
 
 
