@@ -364,11 +364,12 @@ def test_a_base_that_changed_is_refused(run, root, base):
     assert proc.returncode == 2, text[-3000:]
     assert "the LoRA base changed since checkpoint-2 was trained on it" in text
     assert "the same files and sizes with other contents" in text and "Traceback" not in text
-    # Another rank than the checkpoint's is named as such, before anything is loaded.
+    # Another rank than the checkpoint's is named as such, before the job would start
+    # (tests/test_preflight_weights.py: at --dry-run and by relay submit too).
     other = root / "other-rank"
     _resume_copy(run, other, 2)
     proc = _train(_argv(root, base, other, "--lora_rank", "8"))
-    assert proc.returncode == 1 and "was saved with lora_rank: 4, this run has lora_rank: 8" in \
+    assert proc.returncode == 2 and "saved with lora_rank: 4; this run has lora_rank: 8" in \
         proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
     # A copy of the unchanged base elsewhere is the same base: it resumes.
     copy = root / "base-copy"

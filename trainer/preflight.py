@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 
 from trainer.config import stage_checks
-from trainer.config.lora_checks import adapter_params, lora_init_problem
+from trainer.config.lora_checks import adapter_params, lora_init_problem, lora_resume_problem
 from trainer.models.lora_targets import lora_enabled
 from trainer.checkpoint.frozen_roles import check_frozen_sources
 from trainer.checkpoint.layout import CheckpointError, list_checkpoints
@@ -24,8 +24,9 @@ from trainer.config.schema import ARGS, ConfigError, ResolvedArgs
 from trainer.data.synthetic_encoded import encoded_latent_shape
 from trainer.encoders.directories import missing_component, pipeline_root, tiny_wan_pending
 from trainer.models.family import ConfigDirError
-from trainer.models.registry import family_of, model_config
-from trainer.checkpoint.weights_source import resolve_weights_source
+from trainer.models.registry import family_of, model_config, model_config_file
+from trainer.checkpoint.weights_source import (resolve_weights_source, stored_shapes,
+                                               weights_fit_problem)
 
 # What example configs write where a user must put their own value.
 PLACEHOLDER = re.compile(r"/path/to/|<[A-Za-z][A-Za-z0-9_ .-]*>|\bchangeme\b", re.IGNORECASE)
@@ -109,6 +110,8 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
         _validate_placeholders(args)
         _validate_paths(args, written_before)
         _validate_output_dir(args)
+        _validate_lora_resume(args)
+        _validate_transformer_weights(args, written_before)
     if check_weights:
         _validate_weight_sources(args)
     _check(args.enable_gradient_checkpointing or not args.use_dedicated_gradient_checkpointing,
@@ -409,6 +412,64 @@ def _validate_weight_sources(args: ResolvedArgs) -> None:
         except CheckpointError as exc:
             raise ConfigError(f"`{key}`: {exc}. The run would warm start from it; fix the path "
                               f"(or run the stage that writes it first).") from None
+
+
+def _validate_lora_resume(args: ResolvedArgs) -> None:
+    """A run that will resume from output_dir's newest complete checkpoint with adapters of
+    another shape than it saved (lora_rank, lora_target_modules), from its resolved-config.json."""
+    try:
+        checkpoints = list_checkpoints(args.output_dir)
+    except OSError:
+        return
+    if checkpoints:
+        problem = lora_resume_problem(args, checkpoints[-1])
+        _check(problem is None, problem or "")
+
+
+def _validate_transformer_weights(args: ResolvedArgs, written_before: tuple[str, ...] = ()) -> None:
+    """The safetensors pretrained_transformer_path names, where they exist now, hold the
+    model's linear layers with the model's shapes (headers only): a transformer/config.json
+    that gives more layers than its weights hold, or other widths, stops the warm start when
+    the job starts. A path an earlier stage writes, a relay checkpoint (DCP), or weights that a
+    resume does not read are left alone; a path that does not resolve is
+    _validate_weight_sources' (and relay submit's) to report."""
+    path = args.pretrained_transformer_path
+    if (not args.load_transformer_weights or path is None or tiny_wan_pending(args)
+            or not Path(path).exists()
+            or any(Path(path) == Path(d) or Path(d) in Path(path).parents for d in written_before)):
+        return
+    try:
+        resuming = bool(list_checkpoints(args.output_dir))
+    except OSError:
+        resuming = False
+    if resuming and not lora_enabled(args):
+        return  # it resumes: the warm start is not read (a LoRA's base is, at every start)
+    family = family_of(args)
+    try:
+        source = resolve_weights_source(path, weights=args.pretrained_weights)
+        if source.kind not in ("safetensors", "safetensors_dir"):
+            return
+        stored, _ = stored_shapes(source, family)
+        config = model_config(args)
+        linears = family.linear_shapes(config)
+    except (CheckpointError, ValueError, KeyError, OSError):
+        return
+    if not linears:
+        return
+    problem = weights_fit_problem(stored, linears, config, source.path, origin=_config_origin(args),
+                                  allow_missing=(*args.warm_start_allow_missing,
+                                                 *family.second_time_keys),
+                                  allow_unexpected=(*args.warm_start_allow_unexpected,
+                                                    *family.second_time_keys))
+    _check(problem is None, f"`pretrained_transformer_path` {path}: {problem}")
+
+
+def _config_origin(args: ResolvedArgs) -> str:
+    try:
+        file = model_config_file(args)
+    except (ValueError, KeyError):
+        file = None
+    return str(file) if file else "transformer_config_overrides"
 
 
 def _validate_context_parallel(args: ResolvedArgs) -> None:
