@@ -1,8 +1,9 @@
 """What the weights a run starts from can tell before its job starts, from headers and small JSON
 files only: a transformer/config.json that gives more layers than its safetensors hold, a
-safetensors file cut short and a LoRA resume at another rank are refused by `train.py
---dry-run` and `relay submit`, with the exit code of every other refusal (2) and one paragraph,
-not at job start."""
+safetensors file cut short, a LoRA resume at another rank, and a Hugging Face Hub id given as
+pretrained_transformer_path are refused by `train.py --dry-run` and `relay submit` (the Hub id
+by --dry-run, before any other message), with the exit code of every other refusal (2) and one
+paragraph, not at job start."""
 
 from __future__ import annotations
 
@@ -169,3 +170,28 @@ def test_a_lora_resume_at_another_rank_is_refused_before_the_job(root, wan_dir, 
                                           r'lora_target_modules: \["to_q"\]'):
         _resolve({**settings, "max_steps": 4, "lora_target_modules": ["to_q"]})
 
+
+def test_a_hub_id_is_refused_first_with_how_to_download_it(root, wan_dir, tmp_path,
+                                                              monkeypatch):
+    hub_id = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+    # validation on, and the 1.3B's defaults against 3-channel latents and 32-wide captions:
+    # each would be a refusal of its own were the path read as a (missing) directory
+    settings = {**_settings(root, hub_id, tmp_path / "out"), "validation_interval": 0}
+    del settings["text_encoder"], settings["text_max_tokens"]
+    text = _refused(_train(settings, dry_run=True, cwd=tmp_path),
+                    f"`pretrained_transformer_path` {hub_id} reads as a Hugging Face Hub id, but "
+                    f"it must be a local directory",
+                    f"huggingface-cli download {hub_id} --local-dir <models>/Wan2.1-T2V-1.3B-"
+                    f"Diffusers")
+    assert "vae_path" not in text and "text_dim" not in text, text[-3000:]
+    # a relative owner/name path that exists is a directory, and one make_tiny_wan writes is
+    # written there: neither is an id
+    monkeypatch.chdir(tmp_path)
+    local = _copy(wan_dir, tmp_path / "models" / "tiny-wan")
+    resolve_config(str(ROOT / "config" / "tiny" / "pretrain.yaml"),
+                   _settings(root, "models/tiny-wan", tmp_path / "ok"), world_size=1,
+                   cwd=tmp_path, check_weights=True)
+    resolve_config(str(ROOT / "config" / "tiny" / "pretrain.yaml"),
+                   _settings(root, "scratch/tiny-wan", tmp_path / "ok", make_tiny_wan=True),
+                   world_size=1, cwd=tmp_path, check_weights=True)
+    assert local.is_dir() and not (tmp_path / "scratch").exists()

@@ -56,6 +56,8 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
     (make_tiny_wan) before this one starts: a vae_path or text_encoder inside one is checked
     when the stage starts, as the writing stage's own are.
     """
+    if check_weights:
+        _refuse_hub_ids(args)  # before anything that would read the missing directory's defaults
     _check(args.output_dir is not None,
            "`output_dir` is not set. Set it in the YAML's output section or with --output_dir.")
     _validate_model(args)
@@ -412,6 +414,50 @@ def _validate_weight_sources(args: ResolvedArgs) -> None:
         except CheckpointError as exc:
             raise ConfigError(f"`{key}`: {exc}. The run would warm start from it; fix the path "
                               f"(or run the stage that writes it first).") from None
+
+
+# A Hugging Face Hub repository id's parts (owner/name).
+_HUB_PART = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?$")
+
+
+def _hub_id(value) -> str | None:
+    """`value` read as a Hugging Face Hub id (owner/name) when it names nothing on this
+    machine: a path made absolute against the current directory from two parts, neither of
+    which exists there. None for anything else."""
+    path = Path(value)
+    if path.exists():
+        return None
+    try:
+        here = Path.cwd()
+        parts = path.relative_to(here).parts
+    except (OSError, ValueError):
+        return None
+    if len(parts) != 2 or not all(_HUB_PART.match(part) for part in parts) \
+            or (here / parts[0]).exists():
+        return None
+    return "/".join(parts)
+
+
+def _refuse_hub_ids(args: ResolvedArgs) -> None:
+    """A warm-start path given as a Hub id (Wan-AI/Wan2.1-T2V-1.3B-Diffusers) is refused first,
+    in one paragraph: relay downloads nothing, and every later check would read defaults in
+    place of the missing directory's (vae_path, text_dim, ...)."""
+    keys = [key for key, _ in WEIGHT_KEYS.get(args.stage, ())]
+    if lora_enabled(args):
+        keys.append("lora_init_path")
+    for key in keys:
+        value = args.get(key)
+        if value is None or (key == "pretrained_transformer_path" and tiny_wan_pending(args)):
+            continue
+        hub_id = _hub_id(value)
+        if hub_id is not None:
+            name = hub_id.split("/")[1]
+            raise ConfigError(
+                f"`{key}` {hub_id} reads as a Hugging Face Hub id, but it must be a local "
+                f"directory: relay downloads nothing (compute nodes have no internet access), "
+                f"and there is no {value} here. Download it once to shared storage, e.g. "
+                f"`huggingface-cli download {hub_id} --local-dir <models>/{name}` (`hf "
+                f"download` takes the same arguments), and set {key} to that directory.")
 
 
 def _validate_lora_resume(args: ResolvedArgs) -> None:
