@@ -633,7 +633,8 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
                 warnings.simplefilter("ignore")  # the job prints them; the plan need not
                 args = resolve_config(config_path, overrides, world_size=resources.world_size,
                                       cwd=base, check_paths=check_paths,
-                                      written_before=tuple(written), produced=produced)
+                                      written_before=tuple(written), produced=produced,
+                                      pipeline_outputs=tuple(output_dirs.values()))
                 plan = describe_plan(args, resources.world_size, resources.tasks_per_node)
                 produced[output_dirs[name]] = model_config(args)
         except ConfigError as exc:

@@ -184,6 +184,22 @@ def test_a_hub_id_is_refused_first_with_how_to_download_it(root, wan_dir, tmp_pa
                     f"huggingface-cli download {hub_id} --local-dir <models>/Wan2.1-T2V-1.3B-"
                     f"Diffusers")
     assert "vae_path" not in text and "text_dim" not in text, text[-3000:]
+    # relay submit says the same first, and still reads an earlier stage's output_dir as a path
+    settings.pop("output_dir")
+    pipeline = {"name": "hub", "root": "runs", "cluster": {"gpus_per_node": 0},
+                "stages": {"sft": {"config": str(ROOT / "config" / "tiny" / "pretrain.yaml"),
+                                   "overrides": settings},
+                           "again": {"config": str(ROOT / "config" / "tiny" / "pretrain.yaml"),
+                                     "overrides": {**settings, "pretrained_transformer_path":
+                                                   "runs/sft"}}}}
+    (tmp_path / "hub.yaml").write_text(yaml.safe_dump(pipeline))
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "submit", "hub.yaml",
+                           "--dry-run"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    problems = {line.split(":")[0].split()[-1]: line for line in proc.stderr.splitlines()
+                if line.lstrip().startswith("- stage")}
+    assert f"{hub_id} reads as a Hugging Face Hub id" in problems["sft"], proc.stderr[-3000:]
+    assert "Hub id" not in problems.get("again", "")  # runs/sft: the sft stage's output_dir
     # a relative owner/name path that exists is a directory, and one make_tiny_wan writes is
     # written there: neither is an id
     monkeypatch.chdir(tmp_path)

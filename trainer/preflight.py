@@ -44,7 +44,8 @@ def _check(condition: bool, message: str) -> None:
 
 def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
                   check_paths: bool = True, check_weights: bool = False,
-                  written_before: tuple[str, ...] = ()) -> None:
+                  written_before: tuple[str, ...] = (),
+                  pipeline_outputs: tuple[str, ...] | None = None) -> None:
     """Reject contradictions before any model or process group exists. Raises ConfigError.
 
     world_size: the number of ranks the run will have (train.py passes WORLD_SIZE; the launcher
@@ -55,9 +56,12 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
     written_before: diffusers pipeline directories an earlier stage of the same pipeline writes
     (make_tiny_wan) before this one starts: a vae_path or text_encoder inside one is checked
     when the stage starts, as the writing stage's own are.
+    pipeline_outputs: the output_dirs of every stage of the pipeline being validated (relay
+    submit / run): a path inside one is a stage's output, never a Hub id.
     """
-    if check_weights:
-        _refuse_hub_ids(args)  # before anything that would read the missing directory's defaults
+    if check_weights or pipeline_outputs is not None:
+        # before anything that would read the missing directory's defaults
+        _refuse_hub_ids(args, pipeline_outputs or ())
     _check(args.output_dir is not None,
            "`output_dir` is not set. Set it in the YAML's output section or with --output_dir.")
     _validate_model(args)
@@ -275,6 +279,34 @@ def _validate_caption_source(args: ResolvedArgs) -> None:
            f"are read), or store embeddings with `relay data encode`.")
 
 
+def text_encoder_uses(args) -> list[str]:
+    """What in the run encodes text, each with the setting that removes the need: validation
+    prompts, captions stored without embeddings, the synthetic clips' captions, the empty
+    caption of dropout and guidance; [] when nothing does."""
+    uses = []
+    if args.get("validation_interval", -1) >= 0:
+        uses.append(f"validation prompts (validation_interval {args['validation_interval']}; -1 "
+                    f"trains without validation)")
+    if args.get("synthetic_data"):
+        uses.append("the synthetic clips' captions (synthetic_data: true; point data_path at "
+                    "encoded data instead)")
+    elif args.get("data_path") is not None and not _data_stores_embeddings(args["data_path"]):
+        uses.append("the data's captions, stored without embeddings (store them with relay "
+                    "data encode)")
+    return uses + stage_checks.null_caption_uses(args)
+
+
+def _data_stores_embeddings(data_path) -> bool:
+    """Whether the data stores caption embeddings; True when it cannot be read here (the data
+    checks report unreadable data)."""
+    from trainer.data.index import data_stores_text_embeddings
+
+    try:
+        return data_stores_text_embeddings(data_path)
+    except Exception:  # noqa: BLE001 - reported by the data checks
+        return True
+
+
 def _validate_pipeline_components(args: ResolvedArgs, written_before: tuple[str, ...] = ()) -> bool:
     """The folders a diffusers pipeline directory (pretrained_transformer_path) gives the run
     by default are there (trainer.encoders.directories). Returns False while make_tiny_wan has
@@ -300,7 +332,8 @@ def _validate_pipeline_components(args: ResolvedArgs, written_before: tuple[str,
     if root is not None:
         for key in ("text_encoder", "vae_path"):
             if args[key] is not None and args[key] != "standin":
-                problem = missing_component(root, key, args[key])
+                uses = text_encoder_uses(args) if key == "text_encoder" else ()
+                problem = missing_component(root, key, args[key], uses)
                 _check(problem is None, problem or "")
     return True
 
@@ -438,7 +471,7 @@ def _hub_id(value) -> str | None:
     return "/".join(parts)
 
 
-def _refuse_hub_ids(args: ResolvedArgs) -> None:
+def _refuse_hub_ids(args: ResolvedArgs, outputs: tuple[str, ...] = ()) -> None:
     """A warm-start path given as a Hub id (Wan-AI/Wan2.1-T2V-1.3B-Diffusers) is refused first,
     in one paragraph: relay downloads nothing, and every later check would read defaults in
     place of the missing directory's (vae_path, text_dim, ...)."""
@@ -449,6 +482,8 @@ def _refuse_hub_ids(args: ResolvedArgs) -> None:
         value = args.get(key)
         if value is None or (key == "pretrained_transformer_path" and tiny_wan_pending(args)):
             continue
+        if any(Path(value) == Path(d) or Path(d) in Path(value).parents for d in outputs):
+            continue  # an output_dir of the pipeline, which its stage writes
         hub_id = _hub_id(value)
         if hub_id is not None:
             name = hub_id.split("/")[1]

@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from trainer.encoders.directories import pipeline_defaults
-from trainer.preflight import validate_args
+from trainer.preflight import text_encoder_uses, validate_args
 from trainer.source_model import inherited_architecture
 from trainer.config.schema import (ARGS, LEGACY_KEYS, MODEL_KEYS_IN_OVERRIDES, SECTIONS, Arg, ConfigError,
                             ResolvedArgs, closest_key)
@@ -376,7 +376,8 @@ def resolve_config(config: str | None, overrides: list[str] | dict[str, Any] = (
                    world_size: int | None = None, cwd: str | os.PathLike | None = None,
                    check_paths: bool = True, check_weights: bool = False,
                    written_before: tuple[str, ...] = (),
-                   produced: dict[str, dict[str, Any]] | None = None) -> ResolvedArgs:
+                   produced: dict[str, dict[str, Any]] | None = None,
+                   pipeline_outputs: tuple[str, ...] | None = None) -> ResolvedArgs:
     """Resolve a YAML plus overrides exactly as train.py does. Raises ConfigError.
 
     `overrides` is either the command-line tokens (["--learning_rate", "3e-4"]) or a mapping of
@@ -387,6 +388,8 @@ def resolve_config(config: str | None, overrides: list[str] | dict[str, Any] = (
     produced: {output_dir: model config} of earlier stages of a pipeline that have not written
     their checkpoints yet: a run starting from one inherits that architecture
     (trainer.source_model).
+    pipeline_outputs: every stage's output_dir of the pipeline being validated
+    (preflight.validate_args).
     """
     if isinstance(overrides, dict):
         cli = {}
@@ -402,11 +405,13 @@ def resolve_config(config: str | None, overrides: list[str] | dict[str, Any] = (
     args["config"] = str(Path(config).resolve()) if config else None
     _absolute_paths_skip_config(args, Path(cwd) if cwd else Path.cwd())
     # A diffusers pipeline directory's components fill what the YAML and command line left unset.
-    args.update(pipeline_defaults(args, set(yaml_values) | set(cli)))
+    args.update(pipeline_defaults(args, set(yaml_values) | set(cli),
+                                  needs_text_encoder=bool(text_encoder_uses(args))))
     # A relay run it starts from gives the architecture the YAML and command line left unset.
     args.update(inherited_architecture(args, produced))
     validate_args(args, world_size=world_size, check_paths=check_paths,
-                  check_weights=check_weights, written_before=tuple(written_before))
+                  check_weights=check_weights, written_before=tuple(written_before),
+                  pipeline_outputs=pipeline_outputs)
     return args
 
 

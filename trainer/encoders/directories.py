@@ -115,10 +115,13 @@ def flow_shift(root) -> float | None:
     return None
 
 
-def pipeline_defaults(args: dict[str, Any], explicit: set[str] | frozenset[str]) -> dict[str, Any]:
+def pipeline_defaults(args: dict[str, Any], explicit: set[str] | frozenset[str],
+                      needs_text_encoder: bool = True) -> dict[str, Any]:
     """The values a pipeline directory given as pretrained_transformer_path (with
     load_transformer_weights) supplies for the keys not in `explicit` (those the YAML or the
-    command line set); {} when the run starts from no pipeline directory."""
+    command line set); {} when the run starts from no pipeline directory.
+    `needs_text_encoder`: whether anything in the run encodes text (preflight's
+    text_encoder_uses); without that, a directory lacking text_encoder/ gives no default."""
     if not args.get("load_transformer_weights"):
         return {}
     path = args.get("pretrained_transformer_path")
@@ -135,7 +138,7 @@ def pipeline_defaults(args: dict[str, Any], explicit: set[str] | frozenset[str])
     }
     # A directory without text_encoder/ still trains what needs no encoder (pre-encoded
     # captions, no validation, no dropout or guidance); a need is refused by preflight.
-    if unwritten or (root / "text_encoder").is_dir() or text_encoder_uses(args):
+    if unwritten or (root / "text_encoder").is_dir() or needs_text_encoder:
         found["text_encoder"] = str(root / "text_encoder")
     validates = args.get("validation_interval", 0) >= 0
     if validates or (root / "vae").is_dir():
@@ -146,36 +149,6 @@ def pipeline_defaults(args: dict[str, Any], explicit: set[str] | frozenset[str])
     if shift is not None:
         found["train_timestep_shift"] = shift
     return {key: value for key, value in found.items() if key not in explicit}
-
-
-def text_encoder_uses(args: dict[str, Any]) -> list[str]:
-    """What in the run encodes text, each with the setting that removes the need: validation
-    prompts, captions stored without embeddings, the synthetic clips' captions, the empty
-    caption of dropout and guidance; [] when nothing does."""
-    from trainer.config.stage_checks import null_caption_uses
-
-    uses = []
-    if args.get("validation_interval", -1) >= 0:
-        uses.append(f"validation prompts (validation_interval {args['validation_interval']}; -1 "
-                    f"trains without validation)")
-    if args.get("synthetic_data"):
-        uses.append("the synthetic clips' captions (synthetic_data: true; point data_path at "
-                    "encoded data instead)")
-    elif args.get("data_path") is not None and not _data_stores_embeddings(args["data_path"]):
-        uses.append("the data's captions, stored without embeddings (store them with relay "
-                    "data encode)")
-    return uses + null_caption_uses(args)
-
-
-def _data_stores_embeddings(data_path) -> bool:
-    """Whether the data stores caption embeddings; True when it cannot be read here (the data
-    checks report unreadable data)."""
-    from trainer.data.index import data_stores_text_embeddings
-
-    try:
-        return data_stores_text_embeddings(data_path)
-    except Exception:  # noqa: BLE001 - reported by the data checks
-        return True
 
 
 def tiny_wan_pending(args: dict[str, Any]) -> bool:
