@@ -169,6 +169,9 @@ def test_a_lora_resume_at_another_rank_is_refused_before_the_job(root, wan_dir, 
     with pytest.raises(ConfigError, match=r'saved with lora_target_modules: \[\]; this run has '
                                           r'lora_target_modules: \["to_q"\]'):
         _resolve({**settings, "max_steps": 4, "lora_target_modules": ["to_q"]})
+    # so is every other setting the saved state depends on (here: an EMA it did not keep)
+    with pytest.raises(ConfigError, match=r"saved with use_ema: false; this run has use_ema: true"):
+        _resolve({**settings, "max_steps": 4, "use_ema": True})
 
 
 def test_a_hub_id_is_refused_first_with_how_to_download_it(root, wan_dir, tmp_path,

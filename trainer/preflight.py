@@ -16,7 +16,8 @@ import warnings
 from pathlib import Path
 
 from trainer.config import stage_checks
-from trainer.config.lora_checks import adapter_params, lora_init_problem, lora_resume_problem
+from trainer.config.lora_checks import adapter_params, lora_init_problem
+from trainer.checkpoint.saved_settings import saved_settings_problem
 from trainer.models.lora_targets import lora_enabled
 from trainer.checkpoint.frozen_roles import check_frozen_sources
 from trainer.checkpoint.layout import CheckpointError, list_checkpoints
@@ -116,7 +117,7 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
         _validate_placeholders(args)
         _validate_paths(args, written_before)
         _validate_output_dir(args)
-        _validate_lora_resume(args)
+        _validate_resume_settings(args)
         _validate_transformer_weights(args, written_before)
     if check_weights:
         _validate_weight_sources(args)
@@ -495,15 +496,15 @@ def _refuse_hub_ids(args: ResolvedArgs, outputs: tuple[str, ...] = ()) -> None:
                 f"download` takes the same arguments), and set {key} to that directory.")
 
 
-def _validate_lora_resume(args: ResolvedArgs) -> None:
-    """A run that will resume from output_dir's newest complete checkpoint with adapters of
-    another shape than it saved (lora_rank, lora_target_modules), from its resolved-config.json."""
+def _validate_resume_settings(args: ResolvedArgs) -> None:
+    """A run that would resume output_dir's newest complete checkpoint with settings its saved
+    state cannot load (another stage, optimizer, EMA, or LoRA adapters of another shape)."""
     try:
         checkpoints = list_checkpoints(args.output_dir)
     except OSError:
         return
     if checkpoints:
-        problem = lora_resume_problem(args, checkpoints[-1])
+        problem = saved_settings_problem(args, checkpoints[-1])
         _check(problem is None, problem or "")
 
 

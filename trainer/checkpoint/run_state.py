@@ -26,17 +26,13 @@ from trainer.checkpoint.layout import DATALOADER_DIR, read_complete, scan_output
 from trainer.data.checks import batching
 from trainer.data.resume import IDENTITY_FILE, data_identity, identity_changes, position_problem
 from trainer.parallel.distributed import broadcast_from_rank0
+from trainer.checkpoint.saved_settings import saved_settings_problem
 from trainer.checkpoint.lora_base import BASE_FILE, check_base, read_recorded_base
 from trainer.checkpoint.frozen_roles import (FROZEN_FILE, check_frozen_sources, frozen_roles,
                                              read_recorded_frozen)
 from trainer.models.lora_targets import lora_enabled
 
 log = logging.getLogger("relay")
-
-
-# Arguments that decide what the saved optimizer state is: a change cannot be loaded, and the
-# error should name the key rather than a tensor that does not fit.
-STATE_SHAPING_KEYS = ("stage", "use_muon", "use_ema", "lora_rank", "lora_target_modules")
 
 
 @dataclass
@@ -211,18 +207,11 @@ def resume_or_warm_start(args: ResolvedArgs, topo: Topology, out: Path,
 
 
 def _check_state_shaping_keys(checkpoint: Path, args: ResolvedArgs) -> None:
-    """Refuse, naming the key, a resume whose optimizer / EMA / stage differ from the saver's."""
-    try:
-        saved = json.loads((checkpoint / "resolved-config.json").read_text())
-    except (OSError, ValueError):
-        return  # no record to compare with: the shape checks of load_checkpoint still apply
-    for key in STATE_SHAPING_KEYS:
-        if key in saved and saved[key] != args[key]:
-            raise ckpt.CheckpointIncompatibleError(
-                f"{checkpoint.name} was saved with {key}: {json.dumps(saved[key])}, this run "
-                f"has {key}: {json.dumps(args[key])}, so its saved state cannot be loaded. Resume "
-                f"with {key}: {json.dumps(saved[key])}, or start the new setting in a new "
-                f"output_dir with a warm start from this one.")
+    """Refuse, naming the key, a resume whose optimizer / EMA / stage differ from the saver's
+    (preflight says it first; this covers a fallback to an older checkpoint)."""
+    problem = saved_settings_problem(args, checkpoint)
+    if problem:
+        raise ckpt.CheckpointIncompatibleError(problem)
 
 
 def _restore(args: ResolvedArgs, topo: Topology, stage, path: Path, state: dict,

@@ -115,30 +115,3 @@ def lora_init_problem(args: ResolvedArgs) -> str | None:
                 f"peft` directory, its adapter_model.safetensors or a LoRA run's checkpoint, or "
                 f"set lora_init_path: null for fresh adapters.")
     return None
-
-
-# The keys that give a LoRA run's checkpoint its adapter tensors (which layers, of which rank):
-# a resume with other values cannot load them.
-ADAPTER_SHAPING_KEYS = ("lora_rank", "lora_target_modules")
-
-
-def lora_resume_problem(args: ResolvedArgs, checkpoint: Path) -> str | None:
-    """Why this run cannot resume `checkpoint` (output_dir's newest complete checkpoint), from
-    the arguments it recorded (resolved-config.json): adapters of another rank or on other
-    layers than this run builds, which the load would refuse when the job starts. None when
-    they agree or nothing is recorded."""
-    try:
-        saved = json.loads((Path(checkpoint) / "resolved-config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(saved, dict):
-        return None
-    differ = [key for key in ADAPTER_SHAPING_KEYS if key in saved and saved[key] != args.get(key)]
-    if not differ:
-        return None
-    was = " and ".join(f"{key}: {json.dumps(saved[key])}" for key in differ)
-    now = " and ".join(f"{key}: {json.dumps(args.get(key))}" for key in differ)
-    return (f"output_dir {Path(checkpoint).parent} holds {Path(checkpoint).name}, saved with "
-            f"{was}; this run has {now}, so it would resume adapters of another shape, which "
-            f"the load refuses when the job starts. Resume with {was}, or train the new "
-            f"setting in another output_dir.")
