@@ -105,7 +105,8 @@ def _print_plan(pipeline) -> None:
         after = f", after {', '.join(waits)}" if waits else ""
         gpus = f" x {r.gpus_per_node} GPUs" if r.gpus_per_node else f" x {r.tasks_per_node} CPU ranks"
         print(f"  {stage.name}: {r.nodes} node(s){gpus} = world {r.world_size}, "
-              f"{stage.args.max_steps} steps, time {r.time_min} min{after} -> {stage.output_dir}")
+              f"{stage.args.max_steps} {stage.work}, time {r.time_min} min{after} -> "
+              f"{stage.output_dir}")
         for line in stage.plan.splitlines():
             print(f"    {line}")
     for note in pipeline.notes:
@@ -337,30 +338,13 @@ def cmd_data_plan(ns: argparse.Namespace) -> int:
 
 
 def _encoder_dirs(ns: argparse.Namespace) -> tuple[str, str]:
-    """--vae and --text-encoder, each defaulting to the folder of --pipeline (a diffusers
-    pipeline directory: vae/, text_encoder/ with tokenizer/ beside it). Raises ValueError
+    """--vae and --text-encoder, each defaulting to the folder of --pipeline. Raises ValueError
     naming what is missing."""
-    from trainer.encoders.directories import missing_component, pipeline_root
+    from trainer.encoders.directories import encoder_dirs
 
-    vae, text = ns.vae, ns.text_encoder
-    if ns.pipeline is not None:
-        root = pipeline_root(ns.pipeline)
-        if root is None:
-            raise ValueError(f"--pipeline {ns.pipeline} is not a diffusers pipeline directory "
-                             f"(no model_index.json): point it at the directory that holds "
-                             f"model_index.json, vae/, text_encoder/ and tokenizer/")
-        vae = vae or str(root / "vae")
-        text = text or str(root / "text_encoder")
-        for key, value in (("vae_path", vae), ("text_encoder", text)):
-            problem = missing_component(root, key, value)
-            if problem:
-                raise ValueError(problem.replace("pretrained_transformer_path", "--pipeline")
-                                 .replace("`vae_path`", "--vae")
-                                 .replace("`text_encoder`", "--text-encoder"))
-    if vae is None or text is None:
-        raise ValueError("give --pipeline (a diffusers pipeline directory), or both --vae and "
-                         "--text-encoder")
-    return vae, text
+    return encoder_dirs(ns.pipeline, ns.vae, ns.text_encoder,
+                        names={"pipeline": "--pipeline", "vae_path": "--vae",
+                               "text_encoder": "--text-encoder"})
 
 
 def cmd_data_encode(ns: argparse.Namespace) -> int:

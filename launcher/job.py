@@ -76,15 +76,17 @@ class StageJob:
     output_dir: str
     max_requeues: int
     preemption_signal: str = "SIGUSR2"
+    entry: str = "trainer.train"  # the module whose main(argv) the task runs (an encode stage's)
 
     def __call__(self) -> dict[str, Any]:
         previous = signal.signal(_signal_number(self.preemption_signal), _raise_preempted)
         try:
             rank = export_rank_environment()
             os.chdir(self.workdir)
-            from trainer import train  # after chdir: the stage YAML's relative paths need it
+            import importlib
 
-            code = train.main(list(self.train_argv))
+            # after chdir: the stage YAML's relative paths need it
+            code = importlib.import_module(self.entry).main(list(self.train_argv))
         except _PreemptedBeforeTraining:
             rank, code = _env_int("RANK", "SLURM_PROCID"), PREEMPTED
             print(f"relay: stage {self.stage}: preemption signal before training started",
@@ -108,9 +110,12 @@ class StageJob:
                 f"(max_requeues {self.max_requeues}); its checkpoint is saved in "
                 f"{self.output_dir}. Resubmit with `relay submit PIPELINE --from {self.stage}` "
                 f"or raise max_requeues.")
+        trains = self.entry == "trainer.train"
+        program, log = ("train.py", f"{self.output_dir}/train.log") if trains else \
+            (self.entry, "the job's log")
         raise StageFailed(
-            f"stage {self.stage}: train.py exited with code {code} ({_describe(code)}). See "
-            f"{self.output_dir}/run-result.json and {self.output_dir}/train.log.")
+            f"stage {self.stage}: {program} exited with code {code} ({_describe(code)}). See "
+            f"{self.output_dir}/run-result.json and {log}.")
 
 
 def _describe(code: int) -> str:

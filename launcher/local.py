@@ -14,9 +14,11 @@ in <root>/warmup/; a failed warm-up stops the run before any stage starts.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -28,8 +30,31 @@ PREEMPTED = 75
 
 
 def train_command(stage: StageSpec, python: str = sys.executable) -> list[str]:
-    """The child process of a stage: train.py through `-m`, so the repository need not be on PATH."""
-    return [python, "-m", "trainer.train", *stage.train_argv]
+    """The child process of a stage: its entry (train.py, or the encoder of an encode stage)
+    through `-m`, so the repository need not be on PATH."""
+    return [python, "-m", stage.entry, *stage.train_argv]
+
+
+def _start_ranks(stage: StageSpec, cmd: list[str], workdir: str) -> list[subprocess.Popen]:
+    """The processes of a stage: one for a train stage; for an encode stage one per rank its
+    resources give (RANK / WORLD_SIZE / LOCAL_RANK set), each encoding its share."""
+    if stage.kind != "encode" or stage.resources.world_size == 1:
+        return [subprocess.Popen(cmd, cwd=workdir)]
+    world = stage.resources.world_size
+    per_node = max(1, world // stage.resources.nodes)
+    attempt = uuid.uuid4().hex[:12]  # the ranks of this launch report under one name
+    return [subprocess.Popen(cmd, cwd=workdir, env={
+        **os.environ, "RANK": str(rank), "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank % per_node), "RELAY_ENCODE_ATTEMPT": attempt})
+        for rank in range(world)]
+
+
+def _wait_all(children: list[subprocess.Popen]) -> int:
+    """The stage's exit code: the first non-zero one of its ranks (75, preempted, when one
+    stopped and saved while the others completed), else 0."""
+    codes = [child.wait() for child in children]
+    return next((code for code in codes if code not in (0, PREEMPTED)), None) or \
+        (PREEMPTED if PREEMPTED in codes else 0)
 
 
 def process_identity(pid: int) -> dict:
@@ -51,7 +76,9 @@ def explain_exit(stage: StageSpec, code: int, pipeline_path: str) -> str:
     except (OSError, json.JSONDecodeError, AttributeError):
         pass
     if code == PREEMPTED:
-        return (f"stage {stage.name} was interrupted and saved a checkpoint in {out}. Resume "
+        saved = ("published every part it finished" if stage.kind == "encode"
+                 else "saved a checkpoint")
+        return (f"stage {stage.name} was interrupted and {saved} in {out}. Resume "
                 f"with: relay run {shlex.quote(pipeline_path)} --from {stage.name}")
     what = {2: "bad configuration, or output_dir in use by another run",
             1: "training failed"}.get(code, f"exit code {code}")
@@ -139,16 +166,18 @@ def run_pipeline_locally(pipeline: Pipeline, *, python: str = sys.executable,
         cmd = train_command(stage, python)
         echo(f"relay run: stage {stage.name} -> {stage.output_dir}")
         echo("  " + shlex.join(cmd))
-        child = subprocess.Popen(cmd, cwd=pipeline.workdir)
-        # `relay status` tells a running stage from a killed one by this process.
-        launched[stage.name].update(process_identity(child.pid))
+        children = _start_ranks(stage, cmd, pipeline.workdir)
+        # `relay status` tells a running stage from a killed one by this process (rank 0's).
+        launched[stage.name].update(process_identity(children[0].pid))
         write_record(pipeline.root, build_record(pipeline, launched, mode="local",
                                                  previous=previous, warmup=warmup))
         try:
-            code = child.wait()
+            code = _wait_all(children)
         except KeyboardInterrupt:
-            child.terminate()  # SIGTERM: the trainer saves at the step boundary and exits
-            child.wait()
+            for child in children:
+                child.terminate()  # SIGTERM: the trainer saves at the step boundary and exits
+            for child in children:
+                child.wait()
             echo(f"relay run: interrupted during stage {stage.name}.")
             return 130
         if code != 0:
@@ -157,5 +186,14 @@ def run_pipeline_locally(pipeline: Pipeline, *, python: str = sys.executable,
         echo(f"relay run: stage {stage.name} completed.")
     echo("relay run: all stages completed. Samples and scores:")
     for stage in pipeline.stages:
-        echo("  " + describe_samples(stage))
+        echo("  " + (describe_encoded(stage) if stage.kind == "encode" else describe_samples(stage)))
     return 0
+
+
+def describe_encoded(stage: StageSpec) -> str:
+    """What an encode stage wrote: files encoded, bad files and where they are listed."""
+    from trainer.data.manifest import SUMMARY_FILE, encode_progress
+
+    done, total, bad = encode_progress(stage.output_dir)
+    return (f"{stage.name}: {done - bad} of {total} files encoded into {stage.output_dir}, "
+            f"{bad} bad (listed in {Path(stage.output_dir) / SUMMARY_FILE})")

@@ -6,6 +6,7 @@ A pipeline YAML (OmegaConf, so `${...}` interpolation works) has these top-level
     root: runs/tiny               # optional; default pipeline dir (default runs/<name>); --root wins
     source: /models/Wan2.1-T2V-1.3B-Diffusers   # optional: the model the stages start from
     data: /data/wan-480p-latents  # optional: the dataset the stages read
+    manifest: /data/clips.csv     # optional: raw media an encode stage turns into `data`
     cluster: {nodes: 1, ...}      # Slurm defaults for every stage (CLUSTER_DEFAULTS)
                                   # warmup: true -> a kernel-cache warm-up job runs first
     stages:                       # ordered: each stage runs after the previous one (afterok)
@@ -18,6 +19,11 @@ A pipeline YAML (OmegaConf, so `${...}` interpolation works) has these top-level
         resources: {time: "02:00:00"}        # any cluster key, for this stage only
         overrides:
           pretrained_transformer_path: ${stages.pretrain.output_dir}
+
+A stage of `kind: encode` (ENCODE_STAGE_KEYS, `encode_stage`) runs `python -m
+trainer.data.encode` in every task instead of train.py: each rank encodes its share of
+`manifest` through `pipeline`'s vae/ and text_encoder/ into its output_dir, which later stages
+read as data_path (checked when they start).
 
 Weights flow through interpolation: a stage names an earlier stage's output_dir, and the trainer
 reads that run's newest complete checkpoint when the job starts. `source` and `data` are paths
@@ -51,9 +57,18 @@ from launcher.resources import resource_root, shipped_file
 
 from trainer.config.schema import closest_key
 
-PIPELINE_KEYS = ("name", "root", "source", "data", "cluster", "stages")
-PATH_KEYS = ("source", "data")  # top-level paths the stages read through ${source} / ${data}
-STAGE_KEYS = ("config", "overrides", "output_dir", "resources", "job_name")
+PIPELINE_KEYS = ("name", "root", "source", "data", "manifest", "cluster", "stages")
+# top-level paths the stages read through ${source} / ${data} / ${manifest}
+PATH_KEYS = ("source", "data", "manifest")
+STAGE_KEYS = ("kind", "config", "overrides", "output_dir", "resources", "job_name")
+# A stage is a train.py run (kind: train, the default) or an encode of raw media (kind: encode:
+# `python -m trainer.data.encode`, one rank per task, each its share of the manifest).
+STAGE_KINDS = ("train", "encode")
+ENCODE_STAGE_KEYS = ("kind", "manifest", "pipeline", "vae", "text_encoder", "rows_per_shard",
+                     "text_max_tokens", "text_encoder_hidden_state_skip_layer", "make_tiny_wan",
+                     "demo_clips", "output_dir", "resources", "job_name")
+# The module each kind of stage runs in every task of its job.
+STAGE_ENTRIES = {"train": "trainer.train", "encode": "trainer.data.encode"}
 NETWORKS = ("efa", "ib", "tcp", "none")
 
 # Every cluster key with its default. `tasks_per_node` is for CPU-only stages (gpus_per_node: 0):
@@ -158,6 +173,17 @@ class StageSpec:
     args: Any  # trainer.config.args.ResolvedArgs: the arguments train.py will resolve
     depends_on: tuple[str, ...]
     plan: str = ""  # topology, global batch and memory per GPU (trainer.preflight.describe_plan)
+    kind: str = "train"  # STAGE_KINDS
+
+    @property
+    def entry(self) -> str:
+        """The module every task of the stage's job runs with `train_argv` (its main(argv))."""
+        return STAGE_ENTRIES[self.kind]
+
+    @property
+    def work(self) -> str:
+        """What the stage's max_steps count, for plans and tables."""
+        return "files" if self.kind == "encode" else "steps"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -496,9 +522,15 @@ def load_pipeline_yaml(path: str | os.PathLike, *, root: str | None = None) -> d
         if not isinstance(stage, DictConfig):
             problems.append(f"stage {stage_name}: must be a mapping with at least `config:`.")
             continue
+        kind = stage.get("kind", "train")
+        if kind not in STAGE_KINDS:
+            problems.append(f"stage {stage_name}: `kind` {kind!r} is not a kind of stage; use "
+                            f"one of {', '.join(STAGE_KINDS)} (train is the default).")
+            continue
+        allowed = ENCODE_STAGE_KEYS if kind == "encode" else STAGE_KEYS
         for key in stage.keys():
-            if key not in STAGE_KEYS:
-                problems.append(_unknown(f"stage {stage_name}", str(key), STAGE_KEYS))
+            if key not in allowed:
+                problems.append(_unknown(f"stage {stage_name} (kind {kind})", str(key), allowed))
         # Unresolved: an interpolation must not be evaluated before every default is in place.
         if OmegaConf.to_container(stage, resolve=False).get("output_dir") is None:
             stage.output_dir = "${root}/" + str(stage_name)
@@ -605,6 +637,17 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
                                     where, problems, default_python=default_python)
         if cluster_problems:
             resources = None
+        if stage.get("kind") == "encode":
+            if name in output_dirs and resources is not None:
+                spec = encode_stage(name, stage, data.get("source"), resources,
+                                    output_dirs[name], f"{data['name']}-{name}", base,
+                                    check_paths, problems, previous)
+                if spec is not None:
+                    specs.append(spec)
+                    written.append(spec.output_dir)  # its data is checked when a stage reads it
+                    written_before[name] = tuple(written)
+                    previous = name
+            continue
         config = stage.get("config")
         if not isinstance(config, str) or not config:
             problems.append(f"{where}: `config:` (the stage's train YAML) is missing.")
@@ -659,7 +702,7 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
               f"with relay ({resource_root() / 'config'})", file=sys.stderr)
     if check_paths:
         invalid = [n for n in selected if n not in {s.name for s in specs}]
-        for spec in specs:
+        for spec in (s for s in specs if s.kind == "train"):
             problems.extend(check_weight_sources(spec, specs, output_dirs, notes,
                                                  invalid=invalid,
                                                  written_before=written_before.get(spec.name, ())))
@@ -672,6 +715,99 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
         raise PipelineError(problems)
     return Pipeline(path=str(path), name=data["name"], root=root_dir, workdir=str(base),
                     stages=specs, output_dirs=output_dirs, notes=notes, warmup=warmup)
+
+
+def encode_stage(name: str, stage: Mapping[str, Any], source: str | None, resources: Resources,
+                 output_dir: str, default_job_name: str, base: Path, check_paths: bool,
+                 problems: list[str], previous: str | None) -> StageSpec | None:
+    """An encode stage (`kind: encode`), validated: its manifest read (entries counted), its
+    VAE and text encoder directories (`pipeline`, by default the pipeline's `source`; or `vae`
+    and `text_encoder`) complete, and its output_dir free of parts of another split. Appends
+    to `problems` and returns None when it cannot run."""
+    from trainer.config.schema import ResolvedArgs
+    from trainer.data.manifest import PLAN_FILE, EncodeError, read_manifest
+    from trainer.encoders.directories import encoder_dirs
+
+    where = f"stage {name}"
+    before = len(problems)
+    manifest = _clean_text(stage.get("manifest"), f"{where}: `manifest`", problems,
+                           allow_none=False)
+    paths = {key: _clean_text(stage.get(key, source if key == "pipeline" else None),
+                              f"{where}: `{key}`", problems)
+             for key in ("pipeline", "vae", "text_encoder")}
+    numbers = {}
+    for key, default, least in (("rows_per_shard", 64, 1), ("text_max_tokens", 512, 1),
+                                ("text_encoder_hidden_state_skip_layer", 0, 0),
+                                ("demo_clips", 0, 0)):
+        value = stage.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            problems.append(f"{where}: `{key}` must be an integer >= {least}, got {value!r}.")
+        numbers[key] = value
+    make_tiny = stage.get("make_tiny_wan", False)
+    if not isinstance(make_tiny, bool):
+        problems.append(f"{where}: `make_tiny_wan` must be true or false, got {make_tiny!r}.")
+    job_name = _clean_text(stage.get("job_name") or default_job_name, f"{where}: `job_name`",
+                           problems)
+    if len(problems) > before:
+        return None
+    manifest = _absolute(manifest, base)
+    paths = {k: _absolute(v, base) if v is not None else None for k, v in paths.items()}
+    entries = numbers["demo_clips"] or None
+    if check_paths:
+        if not (numbers["demo_clips"] and not Path(manifest).exists()):
+            try:
+                entries = len(read_manifest(manifest))
+            except (EncodeError, OSError, ValueError) as exc:
+                problems.append(f"{where}: {exc}. Give `manifest` a CSV with path and caption "
+                                f"columns, or a JSON list of {{path, caption}} (docs/data.md).")
+        pending = make_tiny and paths["pipeline"] is not None and \
+            not (Path(paths["pipeline"]) / "model_index.json").is_file()
+        if not pending:
+            try:
+                encoder_dirs(paths["pipeline"], paths["vae"], paths["text_encoder"],
+                             names={"pipeline": "`pipeline`", "vae_path": "`vae`",
+                                    "text_encoder": "`text_encoder`"})
+            except ValueError as exc:
+                problems.append(f"{where}: {exc}.")
+        plan_file = Path(output_dir) / PLAN_FILE
+        if plan_file.is_file():
+            import json
+
+            split = json.loads(plan_file.read_text())
+            wanted = {"world_size": resources.world_size, "rows_per_shard": numbers["rows_per_shard"]}
+            if any(split.get(k) != v for k, v in wanted.items()):
+                problems.append(
+                    f"{where}: {output_dir} holds parts encoded as world_size "
+                    f"{split.get('world_size')}, rows_per_shard {split.get('rows_per_shard')}; "
+                    f"this stage would encode as world_size {resources.world_size}, "
+                    f"rows_per_shard {numbers['rows_per_shard']}, and a part is one rank's "
+                    f"share. Keep the split it was started with, or choose another output_dir.")
+    if len(problems) > before:
+        return None
+    argv = ["--manifest", manifest, "--out", output_dir,
+            "--rows-per-shard", str(numbers["rows_per_shard"]),
+            "--text-max-tokens", str(numbers["text_max_tokens"]),
+            "--skip-layer", str(numbers["text_encoder_hidden_state_skip_layer"])]
+    for key, flag in (("pipeline", "--pipeline"), ("vae", "--vae"),
+                      ("text_encoder", "--text-encoder")):
+        if paths[key] is not None:
+            argv += [flag, paths[key]]
+    argv += ["--make-tiny-wan"] if make_tiny else []
+    argv += ["--demo-clips", str(numbers["demo_clips"])] if numbers["demo_clips"] else []
+    world = resources.world_size
+    share = f", {math.ceil(entries / world)} a rank at most" if entries else ""
+    through = [paths[key] or (f"{paths['pipeline']}/{folder}" if paths["pipeline"] else "?")
+               for key, folder in (("vae", "vae"), ("text_encoder", "text_encoder"))]
+    plan = (f"encode {entries if entries is not None else 'the'} files of {manifest} over "
+            f"{world} rank(s){share}, parts of {numbers['rows_per_shard']} files, through "
+            f"{through[0]} and {through[1]}")
+    args = ResolvedArgs(stage="encode", max_steps=entries, output_dir=output_dir,
+                        preemption_signal="SIGUSR2", manifest=manifest, **paths, **numbers,
+                        make_tiny_wan=make_tiny)
+    return StageSpec(name=name, config=manifest, overrides={}, output_dir=output_dir,
+                     job_name=job_name, resources=dataclasses.replace(resources, warmup=False),
+                     train_argv=tuple(argv), args=args,
+                     depends_on=(previous,) if previous else (), plan=plan, kind="encode")
 
 
 def plan_warmup(name: str, root: str, specs: list[StageSpec], cluster: Resources,

@@ -271,7 +271,8 @@ def submit_stage(stage: StageSpec, *, dependency: str | None, workdir: str | Pat
     job = StageJob(stage=stage.name, train_argv=list(stage.train_argv),
                    workdir=str(workdir), output_dir=stage.output_dir,
                    max_requeues=stage.resources.max_requeues,
-                   preemption_signal=str(stage.args.get("preemption_signal", "SIGUSR2")))
+                   preemption_signal=str(stage.args.get("preemption_signal", "SIGUSR2")),
+                   entry=stage.entry)
     sbatch = Path(stage.output_dir) / SBATCH_FILE
     job_id = _submit_job(job, folder=slurm_folder(stage), python=stage.resources.python,
                          max_requeues=stage.resources.max_requeues,

@@ -21,6 +21,7 @@ from launcher.job import WARMUP_RESULT
 from launcher.pipeline import WARMUP_NAME
 from launcher.record import read_record
 from launcher.slurm import ACTIVE_STATES, SLURM_DIR, JobInfo, query_jobs
+from trainer.data.manifest import PLAN_FILE, encode_progress
 
 FAILED_STATES = frozenset({"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                            "BOOT_FAIL", "DEADLINE", "PREEMPTED"})
@@ -93,6 +94,10 @@ def read_progress(output_dir: str | os.PathLike, max_steps: int | None = None) -
     from trainer.checkpoint.layout import list_checkpoints
 
     out = Path(output_dir)
+    if (out / PLAN_FILE).is_file():  # an encode stage: files done of the manifest's
+        done, total, _ = encode_progress(out)
+        return Progress(step=done, max_steps=total, loss=None, checkpoint=None,
+                        result=_read_json(out / "run-result.json"))
     metrics = read_last_json_line(out / "metrics.jsonl")
     result = _read_json(out / "run-result.json")
     config = _read_json(out / "resolved-config.json")

@@ -349,7 +349,12 @@ def _validate_paths(args: ResolvedArgs, written_before: tuple[str, ...] = ()) ->
                f"through that VAE and through text_encoder, but text_encoder is 'standin'. Set "
                f"text_encoder to the transformers encoder directory the model reads (a Wan "
                f"pipeline's text_encoder/), or vae_path: null for the pixel-space embedded data.")
-    if args.data_path is not None and not args.synthetic_data:
+    entries = args.data_path if isinstance(args.data_path, dict) else [args.data_path]
+    written = any(Path(d) == Path(e) or Path(d) in Path(e).parents
+                  for e in entries if e is not None for d in written_before)
+    if args.data_path is not None and not args.synthetic_data and not written:
+        # (data an earlier stage of the pipeline writes, an encode stage's, is checked when
+        # this stage starts)
         from trainer.data.checks import check_data
 
         check_data(args)  # footers, shapes, a sample of bytes: every problem in one ConfigError

@@ -178,3 +178,31 @@ def missing_component(root, key: str, directory, uses: list[str] = ()) -> str | 
             f"complete pipeline directory (model_index.json, transformer/, vae/, text_encoder/, "
             f"tokenizer/, scheduler/), set `{key}` to a directory that holds it"
             + (", or change the settings above so nothing needs it." if uses else "."))
+
+def encoder_dirs(pipeline=None, vae=None, text_encoder=None,
+                 names: dict[str, str] | None = None) -> tuple[str, str]:
+    """(VAE directory, text encoder directory) for encoding: each given one, else the folder
+    of the diffusers pipeline directory `pipeline` (vae/, text_encoder/ with tokenizer/ beside
+    it). Raises ValueError in one paragraph naming what is missing; `names` maps "pipeline",
+    "vae_path" and "text_encoder" to how the caller's user spells them (an option, a key)."""
+    names = {"pipeline": "pipeline", "vae_path": "vae", "text_encoder": "text_encoder",
+             **(names or {})}
+    if pipeline is not None:
+        root = pipeline_root(pipeline)
+        if root is None:
+            raise ValueError(f"{names['pipeline']} {pipeline} is not a diffusers pipeline "
+                             f"directory (no model_index.json): point it at the directory that "
+                             f"holds model_index.json, vae/, text_encoder/ and tokenizer/")
+        vae = vae or str(root / "vae")
+        text_encoder = text_encoder or str(root / "text_encoder")
+        for key, value in (("vae_path", vae), ("text_encoder", text_encoder)):
+            problem = missing_component(root, key, value)
+            if problem:
+                raise ValueError(problem.replace("pretrained_transformer_path", names["pipeline"])
+                                 .replace("`vae_path`", names["vae_path"])
+                                 .replace("`text_encoder`", names["text_encoder"]))
+    if vae is None or text_encoder is None:
+        raise ValueError(f"give {names['pipeline']} (a diffusers pipeline directory), or both "
+                         f"{names['vae_path']} and {names['text_encoder']}")
+    return str(vae), str(text_encoder)
+
