@@ -154,24 +154,33 @@ def test_only_the_adapters_train_and_are_saved(run, base):
 
 def test_the_peft_export_loads_in_diffusers_and_reproduces_relays_output(run, base, root):
     from diffusers import WanTransformer3DModel
+    from diffusers.loaders.lora_base import LORA_WEIGHT_NAME_SAFE  # pytorch_lora_weights.safetensors
 
     from trainer.evaluation.export import export_checkpoint
 
     out = root / "adapter"
     lines = export_checkpoint(run, out, format="peft", weights="ema")
-    assert "adapter_model.safetensors" in lines[0]
+    assert "adapter_model.safetensors" in lines[0] and LORA_WEIGHT_NAME_SAFE in lines[0]
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["r"] == RANK and config["lora_alpha"] == ALPHA and config["peft_type"] == "LORA"
+    # diffusers' default name holds the same file as peft's (tensors and the LoraConfig metadata).
+    assert (out / LORA_WEIGHT_NAME_SAFE).read_bytes() == (out / "adapter_model.safetensors").read_bytes()
     relay = _inference_model(run / f"checkpoint-{STEPS}", "ema")
-    theirs = WanTransformer3DModel.from_pretrained(str(base)).eval()
-    theirs.load_lora_adapter(str(out), weight_name="adapter_model.safetensors")
     x, t, text = _inputs()
     with torch.no_grad():
         want = relay(x, t, text)
-        got = theirs(x, t, text).sample
         plain = WanTransformer3DModel.from_pretrained(str(base)).eval()(x, t, text).sample
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert (want - plain).abs().max() > 1e-4  # the adapter changes the output
+    # The directory with no weight_name (diffusers then takes the file under its default name),
+    # the file by that name, and peft's file by its name: each applies lora_alpha / r.
+    for how in ({"use_safetensors": True}, {"weight_name": LORA_WEIGHT_NAME_SAFE},
+                {"weight_name": "adapter_model.safetensors"}):
+        theirs = WanTransformer3DModel.from_pretrained(str(base)).eval()
+        theirs.load_lora_adapter(str(out), **how)
+        assert theirs.peft_config["default_0"].lora_alpha == ALPHA, how
+        with torch.no_grad():
+            got = theirs(x, t, text).sample
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{how}: {m}")
 
 
 def test_a_wan_pipeline_loads_the_export_with_load_lora_weights(run, base, root, reference):
@@ -261,7 +270,8 @@ def test_every_export_is_as_readable_as_the_umask_says(run, root):
             export_checkpoint(run, relay / "model.safetensors", format="relay", merge_lora=True)
         finally:
             os.umask(previous)
-        written = [peft / "adapter_model.safetensors", peft / "adapter_config.json",
+        written = [peft / "adapter_model.safetensors", peft / "pytorch_lora_weights.safetensors",
+                   peft / "adapter_config.json",
                    relay / "model.safetensors", relay / "model_config.json"]
         assert {p.name: oct(p.stat().st_mode & 0o777) for p in written} == \
             {p.name: oct(0o666 & ~mask) for p in written}

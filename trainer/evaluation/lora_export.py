@@ -1,11 +1,15 @@
 """`relay export` of a LoRA run: the adapters as peft writes them, or merged into the base.
 
-- `--format peft` (`write_peft`): a directory holding `adapter_model.safetensors` and
-  `adapter_config.json`. The tensors are the adapters under diffusers' key names
+- `--format peft` (`write_peft`): a directory holding `adapter_model.safetensors`,
+  `pytorch_lora_weights.safetensors` (the same file under diffusers' default LoRA weight name,
+  a hard link where the filesystem has them, else a copy) and `adapter_config.json`. The
+  tensors are the adapters under diffusers' key names
   (`transformer.blocks.0.attn1.to_q.lora_A.weight`), with peft's LoraConfig in the file's
-  `lora_adapter_metadata` as diffusers writes it, so `WanTransformer3DModel.load_lora_adapter`
-  and a Wan pipeline's `load_lora_weights` take the directory (or the file) as it is;
-  `adapter_config.json` is the same LoraConfig with `base_model_name_or_path` naming the base.
+  `lora_adapter_metadata` as diffusers' `save_lora_weights` writes it, so a Wan pipeline's
+  `load_lora_weights(dir)` and `WanTransformer3DModel.load_lora_adapter(dir,
+  use_safetensors=True)` find `pytorch_lora_weights.safetensors` with no `weight_name` and
+  apply the run's lora_alpha / r; `adapter_config.json` is the same LoraConfig with
+  `base_model_name_or_path` naming the base.
 - `--merge-lora` (`merged_state_dict`, for the full-weight formats): the base with each adapted
   weight W replaced by W + (lora_alpha / r) B A, under the family's own keys: what the other
   writers write for a full run.
@@ -28,6 +32,7 @@ from trainer.models.lora_targets import lora_enabled, lora_scale
 from trainer.runtime.files import follow_umask, replace_directory
 
 ADAPTER_FILE = "adapter_model.safetensors"
+DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 METADATA_KEY = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY
 PREFIX = "transformer"  # the pipeline component the adapters belong to
@@ -110,6 +115,7 @@ def write_peft(source, out: Path, *, overwrite: bool) -> list[str]:
         tmp.mkdir()
         save_file(tensors, str(tmp / ADAPTER_FILE), metadata=metadata)
         follow_umask(tmp / ADAPTER_FILE)  # safetensors creates it 0600
+        _same_file(tmp / ADAPTER_FILE, tmp / DIFFUSERS_FILE)
         (tmp / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         replace_directory(tmp, out)
     except OSError as exc:
@@ -120,8 +126,18 @@ def write_peft(source, out: Path, *, overwrite: bool) -> list[str]:
             shutil.rmtree(tmp, ignore_errors=True)
     rank = int(source.args["lora_rank"])
     return [f"wrote {out / ADAPTER_FILE} ({len(layers)} adapted layers, rank {rank}, scale "
-            f"{lora_scale(source.args):g}) and {out / ADAPTER_CONFIG_FILE}, from "
-            f"{source.describe()}"]
+            f"{lora_scale(source.args):g}), the same file as {out / DIFFUSERS_FILE}, and "
+            f"{out / ADAPTER_CONFIG_FILE}, from {source.describe()}"]
+
+
+def _same_file(written: Path, name: Path) -> None:
+    """`written` under a second `name` too: a hard link, else (a filesystem without them) a copy
+    with the same mode."""
+    try:
+        os.link(written, name)
+    except OSError:
+        shutil.copyfile(written, name)
+        follow_umask(name)
 
 
 def merged_state_dict(source) -> dict[str, Any]:
