@@ -14,18 +14,17 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import psutil
 import pytest
 import yaml
 
 imageio = pytest.importorskip("imageio.v3")
 
+from fixtures.raw_media import CLIPS, write_media
 from trainer.models.wan import tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = ROOT / "config" / "pipeline" / "wan-raw-tiny.yaml"
-CLIPS = 16
 
 
 def _env() -> dict:
@@ -33,25 +32,6 @@ def _env() -> dict:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_JOB_ID", "WANDB_API_KEY"):
         env.pop(key, None)
     return env
-
-
-def _media(root: Path) -> Path:
-    """CLIPS mp4 files of a coloured square moving right (9 frames, 32x32), one broken file,
-    and their manifest (CSV, paths relative to it)."""
-    rng = np.random.default_rng(0)
-    root.mkdir(parents=True)
-    lines = ["path,caption"]
-    for n in range(CLIPS):
-        frames = np.zeros((9, 32, 32, 3), np.uint8)
-        colour = rng.integers(64, 256, 3)
-        for t in range(9):
-            frames[t, 12:20, 2 + 2 * t:10 + 2 * t] = colour
-        imageio.imwrite(root / f"clip{n}.mp4", frames, fps=8, plugin="FFMPEG", macro_block_size=1)
-        lines.append(f"clip{n}.mp4,a square moving right")
-    (root / "broken.mp4").write_bytes(b"not a video" * 20)
-    lines.append("broken.mp4,a red circle")
-    (root / "manifest.csv").write_text("\n".join(lines) + "\n")
-    return root / "manifest.csv"
 
 
 def _pipeline(tmp: Path) -> Path:
@@ -95,7 +75,7 @@ def _wait_for(path: Path, timeout: float = 180) -> None:
 
 def test_raw_media_encode_on_two_ranks_one_stopped_then_the_chain_trains_on_it(tmp_path):
     tiny.write_tiny_wan_pipeline(tmp_path / "tiny-wan")
-    _media(tmp_path / "media")
+    write_media(tmp_path / "media")
     pipeline = _pipeline(tmp_path)
     out = tmp_path / "encoded"
     # rank 1 stopped (SIGTERM) after its first part: the stage stops, saying how to go on
