@@ -146,6 +146,46 @@ def test_training_sigma_unknown_shift_mode_raises():
         flow.sample_training_sigma(4, snr_type="uniform", shift_mode="static")
 
 
+def test_unshift_inverts_the_shift():
+    u = torch.linspace(0.0, 1.0, 101, dtype=torch.float64)
+    for s in (0.5, 1.0, 3.0, 12.0):
+        assert torch.allclose(flow.unshift_sigma(flow.shift_sigma(u, s), s), u, atol=1e-12)
+
+
+@pytest.mark.parametrize("snr_type, shift_mode", [("uniform", "fixed"), ("lognorm", "fixed"),
+                                                  ("mix", "dynamic")])
+@pytest.mark.parametrize("span", [(0.875, 1.0), (0.0, 0.875), (0.2, 0.3)])
+def test_a_sigma_range_keeps_every_draw_inside_and_draws_as_many_numbers(snr_type, shift_mode,
+                                                                         span):
+    kw = dict(snr_type=snr_type, shift=3.0, shift_mode=shift_mode, num_tokens=1024)
+    g_full, g_range = _gen(4), _gen(4)
+    full = flow.sample_training_sigma(4096, generator=g_full, **kw)
+    kept = flow.sample_training_sigma(4096, sigma_range=span, generator=g_range, **kw)
+    assert kept.dtype == torch.float32
+    assert span[0] <= kept.min().item() and kept.max().item() <= span[1]
+    assert kept.max() - kept.min() > 0.5 * (span[1] - span[0])  # spread over the range
+    # the same numbers consumed: what a sample draws next (its noise) is what it was
+    assert torch.equal(torch.rand(8, generator=g_full), torch.rand(8, generator=g_range))
+    # each draw keeps its rank: the map is monotone in the unrestricted draw
+    assert (kept[full.argsort()].diff() >= -1e-6).all()  # (float32 ties aside)
+
+
+def test_a_sigma_range_of_uniform_draws_is_their_density_restricted_to_it():
+    span = (0.875, 1.0)
+    kept = flow.sample_training_sigma(50_000, snr_type="uniform", shift=3.0, sigma_range=span,
+                                      generator=_gen(5))
+    full = flow.sample_training_sigma(400_000, snr_type="uniform", shift=3.0, generator=_gen(6))
+    inside = full[(full >= span[0]) & (full <= span[1])]
+    q = torch.tensor([0.1, 0.25, 0.5, 0.75, 0.9])
+    assert torch.allclose(kept.quantile(q), inside.quantile(q), atol=3e-3)
+
+
+def test_a_sigma_range_outside_zero_one_or_reversed_raises():
+    for span in ((0.5, 0.5), (0.9, 0.1), (-0.1, 0.5), (0.0, 1.1)):
+        with pytest.raises(ValueError, match="0 <= lo < hi <= 1"):
+            flow.sample_training_sigma(4, snr_type="uniform", sigma_range=span)
+
+
 def test_larger_shift_trains_noisier():
     lo = flow.sample_training_sigma(50_000, snr_type="uniform", shift=1.0, generator=_gen())
     hi = flow.sample_training_sigma(50_000, snr_type="uniform", shift=5.0, generator=_gen())

@@ -178,8 +178,10 @@ def test_refusals_of_another_model_an_i2v_one_and_two_experts(tmp_path):
     moe = tmp_path / "a14b"
     _write_config(moe / "transformer", _class_name="WanTransformer3DModel")
     _write_config(moe / "transformer_2", _class_name="WanTransformer3DModel")
-    with pytest.raises(ValueError, match="relay trains one expert"):
+    with pytest.raises(ValueError, match="a run trains one expert") as info:
         family.config_from_dir(str(moe))
+    assert "config/pipeline/wan-a14b.yaml" in str(info.value)
+    assert "--other-expert" in str(info.value)
     assert family.config_from_dir(str(moe / "transformer_2"))["num_layers"] == 30
     with pytest.raises(ValueError, match="does not exist"):
         family.config_from_dir(str(tmp_path))

@@ -291,6 +291,14 @@ def test_an_expert_folder_of_an_a14b_directory_gets_the_directory_defaults(pipel
         assert args.text_encoder == str(moe / "text_encoder")
         assert args.vae_path == str(moe / "vae")
         assert args.text_max_tokens == 512 and args.train_timestep_shift == tiny.FLOW_SHIFT
+    # each expert trains on the timesteps WanPipeline gives it: t >= 0.875 x 1000 is transformer/'s
+    assert high.train_timestep_range == [0.875, 1.0]
+    assert low.train_timestep_range == [0.0, 0.875]
+    # an explicit range wins; a one-transformer directory sets none
+    assert _resolve(tmp_path, moe / "transformer_2", *common, "--train_timestep_range",
+                    "[0.0, 0.9]").train_timestep_range == [0.0, 0.9]
+    assert _resolve(tmp_path, pipeline_dir / "transformer",
+                    *common).train_timestep_range == [0.0, 1.0]
 
 
 def test_captions_longer_than_text_max_tokens_are_refused_unless_cutting_is_chosen(pipeline_dir,

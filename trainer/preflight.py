@@ -23,6 +23,7 @@ from trainer.checkpoint.frozen_roles import check_frozen_sources
 from trainer.checkpoint.layout import CheckpointError, list_checkpoints
 from trainer.config.schema import ARGS, ConfigError, ResolvedArgs
 from trainer.data.synthetic_encoded import encoded_latent_shape
+from trainer.diffusion.timesteps import NUM_TRAIN_TIMESTEPS
 from trainer.encoders.directories import missing_component, pipeline_root, tiny_wan_pending
 from trainer.models.family import ConfigDirError
 from trainer.models.registry import family_of, model_config, model_config_file
@@ -91,6 +92,7 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
     _check(args.learning_rate > 0, f"`learning_rate` must be > 0, got {args.learning_rate}.")
     _check(args.train_timestep_shift > 0,
            f"`train_timestep_shift` must be > 0, got {args.train_timestep_shift}.")
+    _validate_timestep_range(args)
     _check(args.max_grad_norm >= 0, "`max_grad_norm` must be >= 0 (0 disables clipping).")
     if args.warmup_steps > args.max_steps:
         warnings.warn(f"`warmup_steps` ({args.warmup_steps}) exceeds `max_steps` "
@@ -133,6 +135,26 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
         except ImportError:
             raise ConfigError("`report_to: wandb` but the wandb package is not installed. "
                               "pip install wandb, or set report_to: none.") from None
+
+
+def _validate_timestep_range(args: ResolvedArgs) -> None:
+    """train_timestep_range is [lo, hi] with 0 <= lo < hi <= 1, and only flow matching, whose
+    one noise level per sample it restricts, is given one other than [0, 1]."""
+    span = args.train_timestep_range
+    _check(len(span) == 2 and 0.0 <= span[0] < span[1] <= 1.0,
+           f"`train_timestep_range` must be [lo, hi] with 0 <= lo < hi <= 1 (fractions of the "
+           f"train timesteps after the shift, e.g. [0.875, 1.0] for timesteps 875 to 1000), got "
+           f"{list(span)}. Fix the value, or remove it to train on every timestep.")
+    if args.stage != "fm" and list(span) != [0.0, 1.0]:
+        what = {"tf_anyflow": "Stage1 (tf_anyflow) draws a pair of times per sample for its "
+                              "flow map",
+                "dmd_sgf": "Stage2 (dmd_sgf) runs the student over its dmd_denoising_steps and "
+                           "scores at times of its own"}[args.stage]
+        raise ConfigError(
+            f"`train_timestep_range` is {list(span)}, but it restricts flow matching's noise "
+            f"levels (stage fm) only: {what}, and neither reads it. Remove it (or set it to "
+            f"[0.0, 1.0]) for stage {args.stage}; to fine-tune one expert of a Wan2.2 A14B "
+            f"directory on its timesteps, use stage fm (docs/wan.md).")
 
 
 CONDITIONING_TASKS = ("t2v", "i2v", "continuation")
@@ -653,8 +675,13 @@ def describe_plan(args: ResolvedArgs, world_size: int, ranks_per_node: int | Non
                   else "packing_token_budget; train_batch_size is not used")
         batch = (f"global batch: 1 pack of <= {budget} joint tokens ({source}) x gradient "
                  f"accumulation {accum} x dp {mesh.dp_world} = {accum * mesh.dp_world} packs a step")
-    lines = [f"topology: {mesh.describe()}", batch, batching.line,
-             "memory per GPU (estimate, trainer.parallel.memory_estimate):", estimate.describe()]
+    lines = [f"topology: {mesh.describe()}", batch, batching.line]
+    lo, hi = args.train_timestep_range
+    if (lo, hi) != (0.0, 1.0):
+        n = NUM_TRAIN_TIMESTEPS
+        lines.append(f"timesteps: sigma in [{lo:g}, {hi:g}] after the shift (train_timestep_range: "
+                     f"timesteps {lo * n:g} to {hi * n:g} of {n})")
+    lines += ["memory per GPU (estimate, trainer.parallel.memory_estimate):", estimate.describe()]
     if video is None and budget is None:
         lines.append("  (activations left out: the data's latent shape is not readable here)")
     text = "\n".join(lines)

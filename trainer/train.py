@@ -70,14 +70,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write_tiny_wan(args: ResolvedArgs) -> None:
-    """Rank 0 writes trainer.models.wan.tiny's pipeline at pretrained_transformer_path (renamed
-    into place when complete); the other ranks wait for it."""
+    """Rank 0 writes trainer.models.wan.tiny's pipeline at pretrained_transformer_path, or, for
+    an expert folder (.../transformer, .../transformer_2), the two-expert A14B layout in its
+    parent (renamed into place when complete); the other ranks wait for it."""
+    from trainer.encoders.directories import tiny_wan_target
     from trainer.models.wan.tiny import write_tiny_wan_pipeline
 
-    path = Path(args.pretrained_transformer_path)
+    path, boundary = tiny_wan_target(args.pretrained_transformer_path)
     if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
-        log.info("make_tiny_wan: writing a tiny random Wan pipeline at %s", path)
-        write_tiny_wan_pipeline(path, seed=args.seed)
+        log.info("make_tiny_wan: writing a tiny random Wan%s pipeline at %s",
+                 " A14B (two experts)" if boundary is not None else "", path)
+        write_tiny_wan_pipeline(path, seed=args.seed, boundary_ratio=boundary)
         return
     deadline = time.monotonic() + 600
     while not (path / "model_index.json").is_file() and time.monotonic() < deadline:

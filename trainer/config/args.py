@@ -38,7 +38,7 @@ def _expected(arg: Arg) -> str:
     base = {
         "int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
         "path": "a path string", "dict": "a mapping", "int_list": "a list of integers",
-        "str_list": "a list of strings",
+        "float_list": "a list of numbers", "str_list": "a list of strings",
         "path_or_dict": "a directory or a mapping {directory: repeat_count}",
     }[arg.kind]
     if arg.choices:
@@ -87,6 +87,12 @@ def convert_value(arg: Arg, value: Any, where: str) -> Any:
         ):
             raise bad()
         out = list(value)
+    elif kind == "float_list":
+        if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+        ):
+            raise bad()
+        out = [float(v) for v in value]
     elif kind == "path_or_dict":
         if isinstance(value, str):
             out = value

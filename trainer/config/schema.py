@@ -27,8 +27,10 @@ class ConfigError(Exception):
 # ---------------------------------------------------------------------------------------------
 
 # kind: the value type. "path" is a string that is made absolute; "dict" a mapping;
-# "int_list"/"str_list" lists; "path_or_dict" is data_path's `dir` or `{dir: repeat_count}`.
-KINDS = ("int", "float", "bool", "str", "path", "dict", "int_list", "str_list", "path_or_dict")
+# "int_list"/"float_list"/"str_list" lists; "path_or_dict" is data_path's `dir` or
+# `{dir: repeat_count}`.
+KINDS = ("int", "float", "bool", "str", "path", "dict", "int_list", "float_list", "str_list",
+         "path_or_dict")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +70,10 @@ SECTIONS: dict[str, list[Arg]] = {
         Arg("make_tiny_wan", "bool", False,
             "Write a tiny random Wan diffusers pipeline (trainer.models.wan.tiny) at "
             "pretrained_transformer_path when nothing is there yet, before the run reads it: "
-            "a model to try the Wan path on a CPU (config/pipeline/wan-tiny.yaml). model_family "
-            "wan only."),
+            "a model to try the Wan path on a CPU (config/pipeline/wan-tiny.yaml). A path "
+            "naming an expert folder (.../transformer, .../transformer_2) writes Wan2.2 A14B's "
+            "layout in its parent instead: two experts and boundary_ratio 0.875 "
+            "(config/pipeline/wan-a14b-tiny.yaml). model_family wan only."),
         Arg("pretrained_weights", "str", "live",
             "Which weights of a training checkpoint a warm start reads: the live weights or "
             "the EMA shadow.", choices=("live", "ema")),
@@ -181,6 +185,15 @@ SECTIONS: dict[str, list[Arg]] = {
             "Fraction of uniform draws in the 'mix' sampler."),
         Arg("train_timestep_shift", "float", 1.0,
             "Fixed shift s: sigma = s*u / (1 + (s-1)*u); s > 1 trains noisier."),
+        Arg("train_timestep_range", "float_list", [0.0, 1.0],
+            "[lo, hi], 0 <= lo < hi <= 1: flow matching (stage fm) trains only on noise levels "
+            "sigma in [lo, hi], after the shift (timesteps 1000 lo to 1000 hi, the numbers "
+            "WanPipeline compares with boundary_ratio x 1000): each base draw is mapped "
+            "affinely into the range before the shift (docs/algorithms.md, 'An expert's "
+            "range'). Unless set, a Wan2.2 A14B expert folder as pretrained_transformer_path "
+            "sets it for stage fm: transformer/ (high noise) [boundary_ratio, 1], "
+            "transformer_2/ (low noise) [0, boundary_ratio] (docs/wan.md). Stage1 and Stage2 "
+            "draw their own times and refuse any value but [0, 1]."),
         Arg("train_timestep_shift_mode", "str", "fixed",
             "fixed: use train_timestep_shift; dynamic: s = exp(mu(video tokens)).",
             choices=("fixed", "dynamic")),

@@ -103,6 +103,15 @@ def shift_sigma(u, shift: float):
     return shift * u / (1.0 + (shift - 1.0) * u)
 
 
+def unshift_sigma(sigma, shift: float):
+    """The inverse of `shift_sigma`: u = sigma / (s - (s - 1)*sigma), same type and shape.
+
+    Raises ValueError when shift <= 0.
+    """
+    _check_shift(shift)
+    return sigma / (shift - (shift - 1.0) * sigma)
+
+
 def dynamic_shift(
     num_tokens: int,
     base_tokens: int = 256,
@@ -142,6 +151,7 @@ def sample_training_sigma(
     dynamic_max_tokens: int = 4096,
     dynamic_base_shift: float = 0.5,
     dynamic_max_shift: float = 1.15,
+    sigma_range: tuple[float, float] = (0.0, 1.0),
     generator: torch.Generator | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
@@ -149,8 +159,13 @@ def sample_training_sigma(
 
     shift_mode "fixed" uses `shift`; "dynamic" ignores it and uses
     `dynamic_shift(num_tokens, ...)`, where num_tokens counts the video tokens of one sample.
+    `sigma_range` (lo, hi), 0 <= lo < hi <= 1: the shifted levels are kept inside it ("An
+    expert's range"): the base draw is mapped affinely onto [S^-1(lo), S^-1(hi)] before the
+    shift, so every sigma lies in [lo, hi], as many random numbers are drawn as without it,
+    and with a uniform base the levels are the unrestricted ones' density on that interval.
     Returns a float32 tensor [batch_size] in (0, 1), one sigma per sample ("Noise levels").
-    Raises ValueError for an unknown snr_type or shift_mode, or dynamic mode without num_tokens.
+    Raises ValueError for an unknown snr_type or shift_mode, dynamic mode without num_tokens,
+    or a sigma_range outside 0 <= lo < hi <= 1.
     """
     if shift_mode not in SHIFT_MODES:
         raise ValueError(f"unknown shift_mode {shift_mode!r}; valid: {', '.join(SHIFT_MODES)}")
@@ -163,6 +178,14 @@ def sample_training_sigma(
                           lognorm_scale=lognorm_scale, mode_scale=mode_scale,
                           mix_uniform_ratio=mix_uniform_ratio, generator=generator,
                           device=device)
+    lo, hi = (float(v) for v in sigma_range)
+    if not 0.0 <= lo < hi <= 1.0:
+        raise ValueError(f"sigma_range must be (lo, hi) with 0 <= lo < hi <= 1, got {sigma_range}")
+    if (lo, hi) != (0.0, 1.0):
+        u_lo, u_hi = unshift_sigma(lo, shift), unshift_sigma(hi, shift)
+        u = u_lo + (u_hi - u_lo) * u
+        # (float32 rounding of the shift never carries a level across the boundary)
+        return shift_sigma(u, shift).clamp(lo, hi)
     return shift_sigma(u, shift)
 
 

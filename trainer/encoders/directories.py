@@ -11,6 +11,10 @@ tokenizer/ and scheduler/, as Wan-AI's "-Diffusers" releases ship) given as
                                                       padded to it with zero vectors)
     train_timestep_shift   scheduler/scheduler_config.json's flow_shift (or shift)
     validation_steps       50, validation_guidance 5.0   (WanPipeline's sampling defaults)
+    train_timestep_range   for an expert folder of a Wan2.2 A14B directory (model_index.json
+                           with transformer_2 and boundary_ratio b), the timesteps WanPipeline
+                           gives that expert: transformer/ [b, 1], transformer_2/ [0, b]
+                           (flow matching only)
 
 A value the YAML or the command line sets always wins. A folder that is missing is still
 named, so preflight refuses the run with one paragraph (`missing_component`) rather than
@@ -38,6 +42,10 @@ WAN_SAMPLING_STEPS = 50     # WanPipeline's num_inference_steps
 WAN_GUIDANCE = 5.0          # WanPipeline's guidance_scale
 COMPONENTS = ("vae", "text_encoder", "tokenizer", "scheduler")
 TINY_WAN_FLOW_SHIFT = 3.0   # trainer.models.wan.tiny's scheduler (Wan2.1 T2V at 480p)
+# Wan2.2 A14B's experts: transformer/ denoises the high-noise timesteps (t >= boundary_ratio x
+# num_train_timesteps, as WanPipeline compares them), transformer_2/ the rest.
+HIGH_NOISE_EXPERT, LOW_NOISE_EXPERT = "transformer", "transformer_2"
+TINY_WAN_BOUNDARY = 0.875   # the tiny A14B pipeline's boundary_ratio (Wan2.2 T2V A14B's)
 
 
 def holds_tokenizer(directory) -> bool:
@@ -100,6 +108,39 @@ def pipeline_root(path) -> Path | None:
     return None
 
 
+def boundary_ratio(root) -> float | None:
+    """The boundary_ratio of a Wan2.2 A14B pipeline directory (its model_index.json lists
+    transformer_2 and sets boundary_ratio, a number in (0, 1)), or None for any other."""
+    try:
+        index = json.loads((Path(root) / "model_index.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(index, dict) or not isinstance(index.get(LOW_NOISE_EXPERT), list):
+        return None
+    value = index.get("boundary_ratio")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 < value < 1.0:
+        return float(value)
+    return None
+
+
+def expert_range(name: str, boundary: float) -> list[float] | None:
+    """The timesteps, as fractions [lo, hi] of the train timesteps, that WanPipeline gives the
+    expert folder `name` of an A14B pipeline with `boundary`: transformer/ (high noise)
+    [boundary, 1], transformer_2/ (low noise) [0, boundary]; None for another name."""
+    return {HIGH_NOISE_EXPERT: [boundary, 1.0], LOW_NOISE_EXPERT: [0.0, boundary]}.get(name)
+
+
+def tiny_wan_target(path) -> tuple[Path, float | None]:
+    """Where make_tiny_wan writes trainer.models.wan.tiny's pipeline for the
+    pretrained_transformer_path `path`, and its boundary_ratio: an expert folder's name
+    (transformer/, transformer_2/) asks for the two-expert A14B layout in its parent
+    (TINY_WAN_BOUNDARY); any other path for the one-transformer pipeline at the path itself."""
+    path = Path(path)
+    if path.name in (HIGH_NOISE_EXPERT, LOW_NOISE_EXPERT):
+        return path.parent, TINY_WAN_BOUNDARY
+    return path, None
+
+
 def flow_shift(root) -> float | None:
     """The flow shift a pipeline's scheduler/scheduler_config.json ships (UniPC's flow_shift,
     FlowMatchEulerDiscrete's shift), or None when it has none or no scheduler/."""
@@ -127,8 +168,9 @@ def pipeline_defaults(args: dict[str, Any], explicit: set[str] | frozenset[str],
     path = args.get("pretrained_transformer_path")
     root = pipeline_root(path)
     unwritten = root is None and tiny_wan_pending(args)
+    boundary = boundary_ratio(root) if root is not None else None
     if unwritten:
-        root = Path(path)  # the tiny pipeline this run writes there first
+        root, boundary = tiny_wan_target(path)  # the tiny pipeline this run writes first
     if root is None:
         return {}
     found: dict[str, Any] = {
@@ -148,12 +190,18 @@ def pipeline_defaults(args: dict[str, Any], explicit: set[str] | frozenset[str],
         shift = TINY_WAN_FLOW_SHIFT
     if shift is not None:
         found["train_timestep_shift"] = shift
+    # An A14B expert trains on the timesteps WanPipeline gives it (flow matching's draws).
+    span = expert_range(Path(path).name, boundary) if boundary is not None and \
+        Path(path) != root else None
+    if span is not None and args.get("stage", "fm") == "fm":
+        found["train_timestep_range"] = span
     return {key: value for key, value in found.items() if key not in explicit}
 
 
 def tiny_wan_pending(args: dict[str, Any]) -> bool:
-    """Whether the run writes trainer.models.wan.tiny's pipeline at pretrained_transformer_path
-    first (make_tiny_wan, and nothing there yet): its folders are then checked once written."""
+    """Whether the run writes trainer.models.wan.tiny's pipeline first (make_tiny_wan, and
+    nothing at pretrained_transformer_path yet; tiny_wan_target says where and which layout):
+    its folders are then checked once written."""
     path = args.get("pretrained_transformer_path")
     return bool(args.get("make_tiny_wan")) and path is not None and not Path(path).exists()
 
@@ -178,6 +226,7 @@ def missing_component(root, key: str, directory, uses: list[str] = ()) -> str | 
             f"complete pipeline directory (model_index.json, transformer/, vae/, text_encoder/, "
             f"tokenizer/, scheduler/), set `{key}` to a directory that holds it"
             + (", or change the settings above so nothing needs it." if uses else "."))
+
 
 def encoder_dirs(pipeline=None, vae=None, text_encoder=None,
                  names: dict[str, str] | None = None) -> tuple[str, str]:

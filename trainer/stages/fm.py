@@ -69,7 +69,8 @@ def _one_sigma(generator: torch.Generator, args, num_tokens: int) -> torch.Tenso
         dynamic_base_tokens=args.dynamic_shift_base_tokens,
         dynamic_max_tokens=args.dynamic_shift_max_tokens,
         dynamic_base_shift=args.dynamic_shift_base, dynamic_max_shift=args.dynamic_shift_max,
-        generator=generator, device=generator.device)[0]
+        sigma_range=tuple(args.train_timestep_range), generator=generator,
+        device=generator.device)[0]
 
 
 def fm_loss_packed(model: nn.Module, batch: dict, args, null_text: torch.Tensor,
@@ -106,7 +107,14 @@ def fm_loss_packed(model: nn.Module, batch: dict, args, null_text: torch.Tensor,
                                           weight=weight, frame_mask=frame_mask)
         losses.append(loss)
     sigmas = torch.cat([t[3] for t in targets])
-    return torch.stack(losses).mean(), {"sigma_mean": sigmas.mean().detach()}
+    return torch.stack(losses).mean(), sigma_stats(sigmas)
+
+
+def sigma_stats(sigma: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The diagnostics of a micro-batch's noise levels: their mean, least and greatest (the
+    greatest and least show that train_timestep_range holds)."""
+    sigma = sigma.detach()
+    return {"sigma_mean": sigma.mean(), "sigma_min": sigma.min(), "sigma_max": sigma.max()}
 
 
 class PackedForward(nn.Module):
@@ -158,7 +166,7 @@ def fm_loss(model: nn.Module, batch: dict, args, null_text: torch.Tensor,
     loss, _ = flow.flow_matching_loss(pred.float(), x0.float(), noise.float(), weight=weight,
                                       frame_mask=frame_mask)
     # Diagnostics stay tensors: a host read here would stall the GPU between forward and backward.
-    return loss, {"sigma_mean": sigma.mean().detach()}
+    return loss, sigma_stats(sigma)
 
 
 class FlowMatchingStage(Stage):
@@ -227,8 +235,13 @@ class FlowMatchingStage(Stage):
 
     @staticmethod
     def merge_stats(stats: list[dict]) -> dict:
-        """One step's diagnostics from its micro-batches' (FM logs the last micro-batch's)."""
-        return stats[-1]
+        """One step's diagnostics from its micro-batches': the last micro-batch's, but the
+        least and greatest noise level of them all."""
+        merged = dict(stats[-1])
+        if "sigma_min" in merged:
+            merged["sigma_min"] = torch.stack([s["sigma_min"] for s in stats]).min()
+            merged["sigma_max"] = torch.stack([s["sigma_max"] for s in stats]).max()
+        return merged
 
     def warm_start_sources(self) -> list[WarmStartSource]:
         """The pretrained transformer, when load_transformer_weights asks for one."""

@@ -126,6 +126,8 @@ class WanFamily(ModelFamily):
             else:
                 directory = self.config_from_dir(str(path))
         except ValueError as exc:
+            if (Path(path) / "transformer_2").is_dir():  # an A14B root: the advice is its own
+                raise ConfigDirError(f"pretrained_transformer_path: {exc}.") from None
             raise ConfigDirError(f"pretrained_transformer_path: {exc}. model_family wan reads the "
                                  f"architecture from a diffusers directory's transformer/config.json: "
                                  f"point pretrained_transformer_path at a complete Wan diffusers "
@@ -162,10 +164,13 @@ class WanFamily(ModelFamily):
                 raise ValueError(
                     f"{root} holds two transformers (transformer/ and transformer_2/: a Wan2.2 "
                     f"A14B mixture of experts, the high-noise expert in transformer/ and the "
-                    f"low-noise one in transformer_2/). relay trains one expert as one model and "
-                    f"reads transformer/ only when it is given directly: give the path of the "
-                    f"expert to train, {root / 'transformer'} or {root / 'transformer_2'}, and "
-                    f"train the other as a run of its own")
+                    f"low-noise one in transformer_2/), and a run trains one expert, each its "
+                    f"own model on its own timesteps. To train both, run the two-expert "
+                    f"pipeline (config/pipeline/wan-a14b.yaml: one stage from "
+                    f"{root / 'transformer'}, one from {root / 'transformer_2'}; each gets its "
+                    f"timesteps from boundary_ratio in model_index.json) and export them together "
+                    f"with relay export --format diffusers --other-expert; to train one, give "
+                    f"its folder as pretrained_transformer_path")
             root = root / "transformer"
         file = root / "config.json"
         if not file.is_file():

@@ -73,11 +73,16 @@ def build_tokenizer():
 
 def write_tiny_wan_pipeline(directory, *, seed: int = 0, flow_shift: float = FLOW_SHIFT,
                             overwrite: bool = False, latent_channels: int = LATENT_CHANNELS,
-                            transformer: dict | None = None) -> Path:
+                            transformer: dict | None = None,
+                            boundary_ratio: float | None = None) -> Path:
     """Write a tiny random Wan text-to-video pipeline into `directory` (created) and return it.
 
     `latent_channels` sizes the VAE's latents and the transformer's in/out channels;
     `transformer` replaces entries of TRANSFORMER (another width, depth or head count).
+    `boundary_ratio` (in (0, 1)) writes Wan2.2 A14B's layout instead: two experts of the same
+    shape, transformer/ (high noise) and transformer_2/ (low noise, its own random weights,
+    from seed + 1), and boundary_ratio in model_index.json, as WanPipeline saves it: its
+    sampler runs transformer/ at timesteps t >= boundary_ratio x 1000 and transformer_2/ below.
 
     The same seed writes the same weights. An existing complete directory (model_index.json
     present) is left as it is unless overwrite=True; the directory is written under a temporary
@@ -113,17 +118,25 @@ def write_tiny_wan_pipeline(directory, *, seed: int = 0, flow_shift: float = FLO
         text_encoder = UMT5EncoderModel(UMT5Config(
             vocab_size=len(tokenizer), pad_token_id=0, eos_token_id=1,
             decoder_start_token_id=0, **TEXT_ENCODER))
+    experts = {}
+    if boundary_ratio is not None:
+        if not 0.0 < boundary_ratio < 1.0:
+            raise ValueError(f"boundary_ratio must lie in (0, 1), got {boundary_ratio}")
+        with _seeded(torch, seed + 1):
+            experts = {"transformer_2": WanTransformer3DModel(**shape),
+                       "boundary_ratio": float(boundary_ratio)}
     # As Wan2.1's "-Diffusers" releases ship it: UniPC on flow sigmas shifted by flow_shift.
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                         num_train_timesteps=1000, flow_shift=float(flow_shift))
     pipeline = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
-                           scheduler=scheduler, transformer=transformer)
+                           scheduler=scheduler, transformer=transformer, **experts)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         pipeline.save_pretrained(str(tmp))
         (tmp / "README.md").write_text(
-            f"A tiny random Wan pipeline (seed {seed}) written by relay's "
+            f"A tiny random Wan{' A14B (two experts)' if experts else ''} pipeline (seed "
+            f"{seed}) written by relay's "
             f"trainer.models.wan.tiny.write_tiny_wan_pipeline: random weights, for tests and "
             f"for trying relay's Wan path on a CPU. Not a model of anything.\n")
         if target.exists():
