@@ -65,7 +65,8 @@ def cmd_export(ns: argparse.Namespace) -> int:
         lines = export_checkpoint(ns.path, ns.out, format=ns.format, weights=ns.weights,
                                   overwrite=ns.force, components=ns.components,
                                   merge_lora=ns.merge_lora or None,
-                                  max_shard_size=ns.max_shard_size)
+                                  max_shard_size=ns.max_shard_size,
+                                  other_expert=ns.other_expert)
     except (CheckpointError, InferenceError, ExportError) as exc:
         print(f"relay export: {exc}", file=sys.stderr)
         return 2
@@ -474,6 +475,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="diffusers: the pipeline directory whose model_index.json, vae/, "
                         "text_encoder/, tokenizer/ and scheduler/ join the transformer (default: "
                         "the one the run started from; 'none': transformer/ only)")
+    p.add_argument("--other-expert", dest="other_expert", default=None, metavar="RUN",
+                   help="diffusers, Wan2.2 A14B: the other expert, a checkpoint-N/ or output_dir "
+                        "of a run started from the pipeline's other expert folder, written into "
+                        "that folder (transformer/: high noise, transformer_2/: low noise; "
+                        "default: the source pipeline's folder as it is)")
     p.add_argument("--max-shard-size", dest="max_shard_size", default=None,
                    help=f"diffusers: the largest safetensors file before sharding with an "
                         f"index (default {DEFAULT_MAX_SHARD_SIZE})")

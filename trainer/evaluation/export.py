@@ -18,6 +18,11 @@ which weights, the model config it was trained with):
   transformer/ (SAMPLING_FILE: the chunking, steps, timesteps and shift relay samples it with);
   diffusers' WanPipeline runs those weights bidirectionally. A two-time model (Stage1) is refused:
   its second time input has no place in diffusers' class (docs/wan.md, "Distilling Wan").
+  A Wan2.2 A14B pipeline (transformer/ the high-noise expert, transformer_2/ the low-noise one,
+  boundary_ratio in model_index.json) gets each expert in its folder: a run goes into the
+  folder it started from (followed back as the pipeline is), `other_expert` (a run of the
+  other folder) into the other; without it the other folder is the source pipeline's
+  (docs/wan.md, "Wan2.2 A14B: two experts").
 
 Every writer writes under a temporary name and renames into place; an existing output is
 replaced only with `overwrite`. Every file written gets the mode a new file gets under the
@@ -105,6 +110,13 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, format
                           f"--format {' or '.join(owners) or '(none)'}, not to --format {format}.")
     source = read_export_source(path, weights)
     _check_lora_request(source, format, bool(given.get("merge_lora")))
+    if given.get("other_expert") is not None:  # read with the same --weights choice
+        other = read_export_source(given["other_expert"], weights)
+        from trainer.models.lora_targets import lora_enabled
+
+        if lora_enabled(other.args):
+            _check_lora_request(other, format, bool(given.get("merge_lora")))
+        given["other_expert"] = other
     from trainer.evaluation.lora_export import LoraExportError
 
     try:
@@ -210,6 +222,8 @@ DIFFUSERS_EXPORTS: dict[str, DiffusersExport] = {
                            sampling_keys=frozenset({"causal_chunk_size", "attn_window_chunks"})),
 }
 TRANSFORMER_DIR = "transformer"
+TRANSFORMER_2_DIR = "transformer_2"  # Wan2.2 A14B's low-noise expert (transformer/: high noise)
+EXPERT_NAMES = {TRANSFORMER_DIR: "the high-noise expert", TRANSFORMER_2_DIR: "the low-noise expert"}
 MODEL_INDEX = "model_index.json"
 SAMPLING_FILE = "relay-sampling.json"  # a causal model's few-step settings, beside transformer/
 SAMPLING_FORMAT = "relay.sampling"
@@ -218,13 +232,18 @@ SAMPLING_FORMAT = "relay.sampling"
 def write_diffusers(source: ExportSource, out: Path, *, overwrite: bool,
                     components: str | None = None,
                     max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
-                    merge_lora: bool = False) -> list[str]:
-    """A diffusers directory at `out`: transformer/ always; model_index.json and the other
-    components when a source pipeline directory is known (`components`: a pipeline directory,
-    "none" for transformer/ only, None: the one the run started from). Returns the lines to
-    print. Raises ExportError (nothing written) for a family diffusers has no class for, a
-    components directory that is not a complete pipeline fitting the transformer, or an `out`
-    that exists (without `overwrite`) or is not a directory an export may replace."""
+                    merge_lora: bool = False,
+                    other_expert: ExportSource | None = None) -> list[str]:
+    """A diffusers directory at `out`: the transformer always (transformer/, or transformer_2/
+    for a run started from a Wan2.2 A14B pipeline's low-noise expert); model_index.json and the
+    other components when a source pipeline directory is known (`components`: a pipeline
+    directory, "none" for the transformer only, None: the one the run started from).
+    `other_expert`: the other expert of an A14B pipeline, written into the other folder;
+    without it an A14B pipeline's other expert folder is taken from the pipeline. Returns the
+    lines to print. Raises ExportError (nothing written) for a family diffusers has no class
+    for, a components directory that is not a complete pipeline fitting the transformer, two
+    experts that do not make a pair, or an `out` that exists (without `overwrite`) or is not a
+    directory an export may replace."""
     family = source.args.get("model_family") or "dit"
     spec = DIFFUSERS_EXPORTS.get(family)
     if spec is None:
@@ -239,34 +258,42 @@ def write_diffusers(source: ExportSource, out: Path, *, overwrite: bool,
     config = _diffusers_config(spec, source.model_config, family)
     sampling = _sampling_settings(spec, source)
     pipeline, note = _find_pipeline(components, source.args)
+    experts = pipeline is not None and _holds_two_experts(pipeline)
+    slot = _expert_folder(source.args) or TRANSFORMER_DIR
+    other_slot = TRANSFORMER_2_DIR if slot == TRANSFORMER_DIR else TRANSFORMER_DIR
+    other_config = None
+    if other_expert is not None:
+        other_config = _check_other_expert(spec, family, source, other_expert, slot, sampling,
+                                           pipeline, experts)
+    elif slot == TRANSFORMER_2_DIR and pipeline is not None and not experts:
+        raise ExportError(
+            f"{source.checkpoint} is a Wan2.2 A14B low-noise expert (its run started from a "
+            f"transformer_2/ folder), and {pipeline} ({note}) has one transformer, so "
+            f"WanPipeline would run it at every timestep. Give --components the A14B pipeline "
+            f"(model_index.json with transformer_2 and boundary_ratio), or --components none to "
+            f"write {TRANSFORMER_2_DIR}/ only.")
     if pipeline is not None:
         names = _pipeline_components(pipeline, spec)
         problems = spec.check_components(config, pipeline)
+        if other_config is not None:
+            problems += [f"{p} (the other expert)" for p in spec.check_components(other_config,
+                                                                                  pipeline)]
         if problems:
             raise ExportError(
                 f"the pipeline directory {pipeline} ({note}) does not fit this transformer: "
                 f"{'; '.join(problems)}. Give --components a pipeline of the same model "
                 f"(or --components none to write transformer/ only).")
-    _check_out_dir(out, overwrite, source.checkpoint, pipeline)
+    _check_out_dir(out, overwrite, source.checkpoint, pipeline,
+                   other_expert.checkpoint if other_expert is not None else None)
 
-    from trainer.checkpoint.warm_start import read_weights
-    from trainer.checkpoint.weights_source import resolve_weights_source
-
-    if merge_lora:  # a LoRA run's base with its adapters merged in
-        from trainer.evaluation.lora_export import merged_state_dict
-
-        state = merged_state_dict(source)
-    else:
-        state = read_weights(resolve_weights_source(source.checkpoint, weights=source.weights,
-                                                    member=source.member))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.relay-export-{uuid.uuid4().hex[:8]}"
     try:
-        files = _save_transformer(spec, config, state, tmp / TRANSFORMER_DIR, max_shard_size)
-        del state
-        lines = [f"wrote {out / TRANSFORMER_DIR}: {spec.class_name} config.json and "
-                 f"{_count(len(files), 'safetensors file')}"
-                 f"{' with an index' if len(files) > 1 else ''}, from {source.describe()}"]
+        lines = [_write_expert(spec, config, source, merge_lora, tmp, out, slot, max_shard_size,
+                               experts or other_expert is not None)]
+        if other_expert is not None:
+            lines.append(_write_expert(spec, other_config, other_expert, merge_lora, tmp, out,
+                                       other_slot, max_shard_size, True))
         if sampling is not None:
             (tmp / SAMPLING_FILE).write_text(json.dumps(sampling, indent=2) + "\n")
             lines.append(f"wrote {out / SAMPLING_FILE}: a causal model (chunks of "
@@ -275,18 +302,79 @@ def write_diffusers(source: ExportSource, out: Path, *, overwrite: bool,
                          f"WanPipeline runs these weights bidirectionally, relay samples them "
                          f"causally with a KV cache (relay sample)")
         if pipeline is not None:
-            linked, copied = _place_components(pipeline, names, tmp)
+            taken = [*names, *([other_slot] if experts and other_expert is None else [])]
+            linked, copied = _place_components(pipeline, taken, tmp)
             _write_model_index(pipeline, spec, tmp)
-            lines.append(f"took {', '.join([MODEL_INDEX, *names])} from {pipeline} ({note}): "
-                         f"{_count(linked, 'file')} hardlinked, {copied} copied")
+            lines.append(f"took {', '.join([MODEL_INDEX, *taken])} from {pipeline} ({note}): "
+                         f"{_count(linked, 'file')} hardlinked, {copied} copied"
+                         + (f"; {other_slot}/ is {EXPERT_NAMES[other_slot]} as it was there"
+                            if experts and other_expert is None else ""))
         else:
-            lines.append(f"wrote transformer/ only: {note}; pass --components PIPELINE_DIR for "
+            written = f"{slot}/" + (f" and {other_slot}/" if other_expert is not None else "")
+            lines.append(f"wrote {written} only: {note}; pass --components PIPELINE_DIR for "
                          f"a directory {_pipeline_class(spec)}.from_pretrained loads.")
         replace_directory(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return lines
+
+
+def _write_expert(spec: DiffusersExport, config: dict[str, Any], source: ExportSource,
+                  merge_lora: bool, tmp: Path, out: Path, folder: str, max_shard_size: str,
+                  expert: bool) -> str:
+    """Write the transformer of `source` into tmp/`folder`; the line that says so (`expert`:
+    it is one of an A14B pipeline's two)."""
+    from trainer.checkpoint.warm_start import read_weights
+    from trainer.checkpoint.weights_source import resolve_weights_source
+    from trainer.models.lora_targets import lora_enabled
+
+    if merge_lora and lora_enabled(source.args):  # a LoRA run's base with its adapters merged in
+        from trainer.evaluation.lora_export import merged_state_dict
+
+        state = merged_state_dict(source)
+    else:
+        state = read_weights(resolve_weights_source(source.checkpoint, weights=source.weights,
+                                                    member=source.member))
+    files = _save_transformer(spec, config, state, tmp / folder, max_shard_size)
+    del state
+    return (f"wrote {out / folder}: {spec.class_name} config.json and "
+            f"{_count(len(files), 'safetensors file')}{' with an index' if len(files) > 1 else ''}"
+            f", from {source.describe()}{f' ({EXPERT_NAMES[folder]})' if expert else ''}")
+
+
+def _check_other_expert(spec: DiffusersExport, family: str, source: ExportSource,
+                        other: ExportSource, slot: str, sampling, pipeline: Path | None,
+                        experts: bool) -> dict[str, Any]:
+    """The diffusers config of `other`, the second expert of an A14B export whose first,
+    `source`, goes into `slot`. Raises ExportError when the two do not make a pair: another
+    family, a two-time or causal model, both of one folder, or a pipeline of one transformer."""
+    other_family = other.args.get("model_family") or "dit"
+    if other_family != family:
+        raise ExportError(f"--other-expert {other.checkpoint} is a model_family {other_family!r} "
+                          f"run and {source.checkpoint} a {family!r} one: the experts of one "
+                          f"pipeline are one model family. Give a run of the other expert.")
+    _refuse_two_time(other)
+    if sampling is not None or _sampling_settings(spec, other) is not None:
+        raise ExportError(
+            f"{source.checkpoint} or --other-expert {other.checkpoint} is a causal model "
+            f"(causal_chunk_size set): relay samples a causal model alone, chunk by chunk, and "
+            f"a pair of experts is sampled by WanPipeline bidirectionally, switching at "
+            f"boundary_ratio. Export each causal model on its own.")
+    other_slot = _expert_folder(other.args)
+    if other_slot == slot:
+        raise ExportError(
+            f"{source.checkpoint} and --other-expert {other.checkpoint} are both "
+            f"{EXPERT_NAMES[slot]}: each run started from an A14B pipeline's {slot}/ folder. "
+            f"Give --other-expert a run of the other expert (started from "
+            f"{TRANSFORMER_2_DIR if slot == TRANSFORMER_DIR else TRANSFORMER_DIR}/).")
+    if pipeline is not None and not experts:
+        raise ExportError(
+            f"--other-expert writes a second transformer, which WanPipeline runs only for a "
+            f"pipeline with transformer_2 and boundary_ratio in its model_index.json, and "
+            f"{pipeline} has one transformer. Give --components the Wan2.2 A14B pipeline the "
+            f"experts were trained from, or --components none to write both folders only.")
+    return _diffusers_config(spec, other.model_config, family)
 
 
 def _refuse_two_time(source: ExportSource) -> None:
@@ -423,20 +511,36 @@ def _find_pipeline(components: str | None, args) -> tuple[Path | None, str]:
                 f"the directory a diffusers pipeline loads from (model_index.json, vae/, "
                 f"text_encoder/, tokenizer/, scheduler/), or leave --components out.")
         return path, "--components"
+    pipeline, _, note = _origin(args)
+    return pipeline, note
+
+
+def _expert_folder(args) -> str | None:
+    """The transformer folder of a pipeline directory the run started from (followed back
+    through the relay runs it started from): transformer/ or, Wan2.2 A14B's low-noise expert,
+    transformer_2/; None when it started from a pipeline directory itself or from none."""
+    return _origin(args)[1]
+
+
+def _origin(args) -> tuple[Path | None, str | None, str]:
+    """(the pipeline directory the run's weights came from, the transformer folder of it that
+    was named or None, how it was found), followed back through earlier relay runs; (None,
+    None, why there is none) when they lead to no pipeline directory."""
     path = _start_path(args)
     for _ in range(_FOLLOW_LIMIT):
         if path is None:
-            return None, "the run did not start from a diffusers pipeline directory"
+            return None, None, "the run did not start from a diffusers pipeline directory"
         start = Path(path)
         pipeline = _pipeline_root(start)
         if pipeline is not None:
-            return pipeline, "the pipeline the run started from"
+            folder = start.name if start != pipeline else None
+            return pipeline, folder, "the pipeline the run started from"
         earlier = _run_args(start)
         if earlier is None:
-            return None, (f"the run started from {start}, which is not (or no longer) a "
-                          f"diffusers pipeline directory")
+            return None, None, (f"the run started from {start}, which is not (or no longer) a "
+                                f"diffusers pipeline directory")
         path = _start_path(earlier)
-    return None, "the runs it started from lead to no diffusers pipeline directory"
+    return None, None, "the runs it started from lead to no diffusers pipeline directory"
 
 
 def _start_path(args) -> str | None:
@@ -449,12 +553,21 @@ def _start_path(args) -> str | None:
 
 
 def _pipeline_root(path: Path) -> Path | None:
-    """A diffusers pipeline directory: `path` itself, or the parent of its transformer/."""
+    """A diffusers pipeline directory: `path` itself, or the parent of its transformer/ (or
+    transformer_2/, an A14B pipeline's low-noise expert)."""
     if (path / MODEL_INDEX).is_file():
         return path
-    if path.name == TRANSFORMER_DIR and (path.parent / MODEL_INDEX).is_file():
+    if path.name in EXPERT_NAMES and (path.parent / MODEL_INDEX).is_file():
         return path.parent
     return None
+
+
+def _holds_two_experts(pipeline: Path) -> bool:
+    """Whether `pipeline` is a Wan2.2 A14B pipeline: its model_index.json names transformer_2
+    and sets boundary_ratio (without one WanPipeline never runs transformer_2)."""
+    index = _read_json(pipeline / MODEL_INDEX)
+    return isinstance(index, dict) and isinstance(index.get(TRANSFORMER_2_DIR), list) and \
+        index[TRANSFORMER_2_DIR][0] is not None and index.get("boundary_ratio") is not None
 
 
 def _run_args(path: Path) -> dict[str, Any] | None:
@@ -473,28 +586,29 @@ def _run_args(path: Path) -> dict[str, Any] | None:
 
 
 def _pipeline_components(pipeline: Path, spec: DiffusersExport) -> list[str]:
-    """The component folders model_index.json names, other than the transformer. Raises
-    ExportError for an unreadable index, a missing folder, or a pipeline whose transformer is
-    not the family's (or that has a second one)."""
+    """The component folders model_index.json names, other than the transformers (transformer/,
+    an A14B pipeline's transformer_2/). Raises ExportError for an unreadable index, a missing
+    folder, or a pipeline whose transformers are not the family's."""
     index = _read_json(pipeline / MODEL_INDEX)
     if not isinstance(index, dict):
         raise ExportError(f"{pipeline / MODEL_INDEX} is not a readable JSON object: the "
                           f"pipeline directory is damaged; download it again.")
     named = {key: value for key, value in index.items() if not key.startswith("_")
              and isinstance(value, list) and len(value) == 2 and value[0] is not None}
-    transformer = named.pop(TRANSFORMER_DIR, None)
-    if transformer is not None and transformer[1] != spec.class_name:
-        raise ExportError(f"{pipeline} is a pipeline of {transformer[1]}, not of "
-                          f"{spec.class_name}: its components do not go with this transformer.")
-    if "transformer_2" in named:
-        raise ExportError(f"{pipeline} is a two-transformer pipeline (transformer_2: a Wan2.2 "
-                          f"A14B mixture of experts); relay exports one transformer. Give "
-                          f"--components a one-transformer pipeline, or --components none.")
+    for folder in EXPERT_NAMES:
+        transformer = named.pop(folder, None)
+        if transformer is not None and transformer[1] != spec.class_name:
+            raise ExportError(f"{pipeline} is a pipeline of {transformer[1]} ({folder}), not of "
+                              f"{spec.class_name}: its components do not go with this "
+                              f"transformer.")
+    if _holds_two_experts(pipeline):  # an expert folder may be taken from it: both must be there
+        named.update({folder: ["diffusers", spec.class_name] for folder in EXPERT_NAMES
+                      if not (pipeline / folder).is_dir()})
     missing = [name for name in named if not (pipeline / name).is_dir()]
     if missing:
         raise ExportError(f"{pipeline} names {', '.join(missing)} in {MODEL_INDEX} but has no "
                           f"such folder: the download is incomplete; fetch it again.")
-    return sorted(named)
+    return sorted(name for name in named if name not in EXPERT_NAMES)
 
 
 def _pipeline_class(spec: DiffusersExport) -> str:
@@ -502,10 +616,13 @@ def _pipeline_class(spec: DiffusersExport) -> str:
 
 
 def _write_model_index(pipeline: Path, spec: DiffusersExport, target: Path) -> None:
-    """The pipeline's model_index.json, its transformer entry naming the exported class (a
-    source may leave it null), written as a new file (never through a link to the source's)."""
+    """The pipeline's model_index.json, its transformer entry (and an A14B pipeline's
+    transformer_2 entry; boundary_ratio as it was) naming the exported class (a source may
+    leave it null), written as a new file (never through a link to the source's)."""
     index = _read_json(pipeline / MODEL_INDEX)
     index[TRANSFORMER_DIR] = ["diffusers", spec.class_name]
+    if _holds_two_experts(pipeline):
+        index[TRANSFORMER_2_DIR] = ["diffusers", spec.class_name]
     (target / MODEL_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
@@ -534,13 +651,16 @@ def _place_components(pipeline: Path, names: list[str], target: Path) -> tuple[i
     return linked, copied
 
 
-def _check_out_dir(out: Path, overwrite: bool, checkpoint: Path, pipeline: Path | None) -> None:
-    """Refuse an `out` that is a file, overlaps the checkpoint or the source pipeline, or
+def _check_out_dir(out: Path, overwrite: bool, checkpoint: Path, pipeline: Path | None,
+                   other_checkpoint: Path | None = None) -> None:
+    """Refuse an `out` that is a file, overlaps a checkpoint or the source pipeline, or
     exists without `overwrite`; with it, only a diffusers directory (a previous export) may be
     replaced, never a directory holding something else."""
     resolved = out.resolve()
     for other, what in ((checkpoint.resolve(), "the checkpoint"),
-                        (pipeline.resolve() if pipeline else None, "the source pipeline")):
+                        (pipeline.resolve() if pipeline else None, "the source pipeline"),
+                        (other_checkpoint.resolve() if other_checkpoint else None,
+                         "the other expert's checkpoint")):
         if other is not None and (resolved == other or other in resolved.parents
                                   or resolved in other.parents):
             raise ExportError(f"--out {out} overlaps {what} {other}: an export never writes "
@@ -554,7 +674,8 @@ def _check_out_dir(out: Path, overwrite: bool, checkpoint: Path, pipeline: Path 
         raise ExportError(f"{out} already exists: an export does not replace it unless asked. "
                           f"Choose another directory, or replace it on purpose with relay "
                           f"export --force.")
-    if not ((out / TRANSFORMER_DIR).is_dir() or (out / MODEL_INDEX).is_file()):
+    if not ((out / TRANSFORMER_DIR).is_dir() or (out / TRANSFORMER_2_DIR).is_dir()
+            or (out / MODEL_INDEX).is_file()):
         raise ExportError(f"{out} holds files that are not a diffusers directory (no "
                           f"transformer/, no {MODEL_INDEX}); --force replaces only a previous "
                           f"export. Choose another directory.")
@@ -587,7 +708,8 @@ EXPORT_FORMATS: dict[str, ExportFormat] = {
                                            "beside it)", options=("merge_lora",)),
     "diffusers": ExportFormat(write_diffusers, out="the directory (transformer/, and the "
                                                    "pipeline's components when known)",
-                              options=("components", "max_shard_size", "merge_lora")),
+                              options=("components", "max_shard_size", "merge_lora",
+                                       "other_expert")),
     "peft": ExportFormat(_write_peft, out="the directory (adapter_model.safetensors and "
                                           "adapter_config.json of a LoRA run)"),
 }
