@@ -186,7 +186,7 @@ def test_resuming_with_another_optimizer_names_the_key_and_keeps_the_runs_files(
     config_before = (out / "resolved-config.json").read_text()
     manifest_before = (out / "launch-manifest.json").read_text()
     proc = tiny_trainer.run(out, "--max_steps", "4", "--use_muon", "false")
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # a configuration refusal, before anything starts
     assert "use_muon: true" in proc.stderr and "use_muon: false" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert "model configuration" not in proc.stderr
