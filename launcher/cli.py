@@ -479,7 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="diffusers, Wan2.2 A14B: the other expert, a checkpoint-N/ or output_dir "
                         "of a run started from the pipeline's other expert folder, written into "
                         "that folder (transformer/: high noise, transformer_2/: low noise; "
-                        "default: the source pipeline's folder as it is)")
+                        "default: the source pipeline's folder as it is). peft: the other "
+                        "expert's LoRA run; the two adapters go to high_noise/ and low_noise/")
     p.add_argument("--max-shard-size", dest="max_shard_size", default=None,
                    help=f"diffusers: the largest safetensors file before sharding with an "
                         f"index (default {DEFAULT_MAX_SHARD_SIZE})")

@@ -305,3 +305,54 @@ def test_the_shipped_a14b_pipeline_dry_runs_with_its_lines_edited(tmp_path):
     assert len(totals) == 2 and max(totals) < 141, totals
     for name, folder in FOLDERS.items():
         assert f"--pretrained_transformer_path={model / folder}" in plan
+
+
+def test_lora_runs_of_both_experts_export_as_two_named_adapters_wan_pipeline_loads(
+        tmp_path, capsys):
+    """A LoRA of each expert (the tiny two-expert pipeline with lora_rank 4): --format peft
+    --other-expert writes high_noise/ and low_noise/; loaded into WanPipeline's transformer and
+    transformer_2, each expert computes what the merged export of the same pair computes."""
+    from diffusers import WanPipeline
+
+    data = yaml.safe_load(_pipeline(tmp_path).read_text())
+    for stage in data["stages"].values():
+        stage["overrides"].update(lora_rank=4, lora_alpha=8.0, learning_rate=1e-2)
+    pipeline = tmp_path / "lora.yaml"
+    pipeline.write_text(yaml.safe_dump(data, sort_keys=False))
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "run", str(pipeline), "--root",
+                           str(tmp_path / "runs")], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs, source = tmp_path / "runs", tmp_path / "tiny-wan-a14b"
+    adapters, merged = tmp_path / "adapters", tmp_path / "merged"
+    code, out, err = _relay(capsys, "export", str(runs / "low"), "--format", "peft",
+                            "--other-expert", str(runs / "high"), "--out", str(adapters))
+    assert code == 0, err
+    record = json.loads((adapters / "adapters.json").read_text())
+    assert record["high_noise"]["transformer"] == "transformer"
+    assert record["low_noise"] == {**record["low_noise"], "transformer": "transformer_2",
+                                   "load_into_transformer_2": True}
+    code, _, err = _relay(capsys, "export", str(runs / "high"), "--format", "diffusers",
+                          "--merge-lora", "--other-expert", str(runs / "low"), "--out", str(merged))
+    assert code == 0, err
+    pipe = WanPipeline.from_pretrained(str(source))
+    pipe.load_lora_weights(str(adapters / "high_noise"), adapter_name="high_noise")
+    pipe.load_lora_weights(str(adapters / "low_noise"), adapter_name="low_noise",
+                           load_into_transformer_2=True)
+    reference = WanPipeline.from_pretrained(str(merged))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, tiny.LATENT_CHANNELS, 3, 4, 4, generator=gen)
+    text = torch.randn(1, 6, tiny.TEXT_DIM, generator=gen)
+    t = torch.tensor([500.0])
+    for name in ("transformer", "transformer_2"):
+        with torch.no_grad():
+            got = getattr(pipe, name)(x, t, text, return_dict=False)[0]
+            want = getattr(reference, name)(x, t, text, return_dict=False)[0]
+            base = getattr(WanPipeline.from_pretrained(str(source)), name)(
+                x, t, text, return_dict=False)[0]
+        assert not torch.allclose(got, base, atol=1e-4), name  # the adapter changed it
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    # one run of each expert, or nothing
+    code, _, err = _relay(capsys, "export", str(runs / "low"), "--format", "peft",
+                          "--other-expert", str(runs / "low"), "--out", str(tmp_path / "bad"))
+    assert code == 2 and "one run of each expert" in err and not (tmp_path / "bad").exists()

@@ -696,11 +696,25 @@ def _flag(option: str) -> str:
     return "--" + option.replace("_", "-")
 
 
-def _write_peft(source: ExportSource, out: Path, *, overwrite: bool) -> list[str]:
-    """A LoRA run's adapters as a peft/diffusers LoRA directory (trainer.evaluation.lora_export)."""
-    from trainer.evaluation.lora_export import write_peft
+def _write_peft(source: ExportSource, out: Path, *, overwrite: bool,
+                other_expert: ExportSource | None = None) -> list[str]:
+    """A LoRA run's adapters as a peft/diffusers LoRA directory; with `other_expert`, the LoRA
+    runs of both experts of a Wan2.2 A14B directory as two named adapters
+    (trainer.evaluation.lora_export)."""
+    from trainer.evaluation.lora_export import write_peft, write_peft_pair
 
-    return write_peft(source, out, overwrite=overwrite)
+    if other_expert is None:
+        return write_peft(source, out, overwrite=overwrite)
+    runs = [(source, _expert_folder(source.args)), (other_expert, _expert_folder(other_expert.args))]
+    folders = {folder: run for run, folder in runs}
+    if set(folders) != {"transformer", "transformer_2"}:
+        said = "; ".join(f"{run.describe()} started from {folder + '/' if folder else 'no expert folder'}"
+                         for run, folder in runs)
+        raise ExportError(
+            f"--format peft --other-expert writes the LoRA adapters of a Wan2.2 A14B pair, one "
+            f"run of each expert: {said}. Give one LoRA run started from the directory's "
+            f"transformer/ (the high-noise expert) and one from its transformer_2/.")
+    return write_peft_pair(folders, out, overwrite=overwrite)
 
 
 EXPORT_FORMATS: dict[str, ExportFormat] = {
@@ -711,5 +725,7 @@ EXPORT_FORMATS: dict[str, ExportFormat] = {
                               options=("components", "max_shard_size", "merge_lora",
                                        "other_expert")),
     "peft": ExportFormat(_write_peft, out="the directory (adapter_model.safetensors and "
-                                          "adapter_config.json of a LoRA run)"),
+                                          "adapter_config.json of a LoRA run; with "
+                                          "--other-expert, high_noise/ and low_noise/)",
+                         options=("other_expert",)),
 }

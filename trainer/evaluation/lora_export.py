@@ -130,6 +130,51 @@ def write_peft(source, out: Path, *, overwrite: bool) -> list[str]:
             f"{out / ADAPTER_CONFIG_FILE}, from {source.describe()}"]
 
 
+EXPERTS_FILE = "adapters.json"  # a Wan2.2 A14B pair: which adapter goes into which expert
+
+
+def write_peft_pair(experts: dict[str, Any], out: Path, *, overwrite: bool) -> list[str]:
+    """The adapters of a Wan2.2 A14B pair of LoRA runs, {"transformer": run of the high-noise
+    expert, "transformer_2": run of the low-noise one}, as two named adapters at `out`:
+    high_noise/ and low_noise/, each a directory of write_peft, and adapters.json saying which
+    goes into which transformer of WanPipeline (load_into_transformer_2 for low_noise).
+    Written to a temporary directory and moved into place whole."""
+    names = {"transformer": "high_noise", "transformer_2": "low_noise"}
+    if out.exists() and not out.is_dir():
+        raise _export_error(f"{out} is a file, and --format peft writes a directory: choose a "
+                            f"directory path (it is created).")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise _export_error(f"{out} already exists: an export does not replace it unless "
+                                f"asked. Choose another directory, or replace it on purpose "
+                                f"with relay export --force.")
+        if not (out / EXPERTS_FILE).is_file():
+            raise _export_error(f"{out} holds files that are not a LoRA pair export (no "
+                                f"{EXPERTS_FILE}); --force replaces only a previous export. "
+                                f"Choose another directory.")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.relay-export-{uuid.uuid4().hex[:8]}"
+    lines, record = [], {}
+    try:
+        tmp.mkdir()
+        for folder, name in names.items():
+            lines += write_peft(experts[folder], tmp / name, overwrite=False)
+            record[name] = {"transformer": folder, "source": experts[folder].describe(),
+                            "load_into_transformer_2": folder == "transformer_2"}
+        (tmp / EXPERTS_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        replace_directory(tmp, out)
+    except OSError as exc:
+        raise _export_error(f"could not write {out} ({exc.strerror or exc}); nothing partial was "
+                            f"left there. Free space or choose another directory.") from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    lines = [line.replace(str(tmp), str(out)) for line in lines]
+    return lines + [f"wrote {out / EXPERTS_FILE}: pipe.load_lora_weights('{out}/high_noise', "
+                    f"adapter_name='high_noise'); pipe.load_lora_weights('{out}/low_noise', "
+                    f"adapter_name='low_noise', load_into_transformer_2=True)"]
+
+
 def _same_file(written: Path, name: Path) -> None:
     """`written` under a second `name` too: a hard link, else (a filesystem without them) a copy
     with the same mode."""
