@@ -452,3 +452,31 @@ def test_warmup_job_runs_first_and_the_chain_waits_for_it(slurm_cluster, tmp_pat
     status = relay("status", str(root)).stdout.splitlines()
     assert status[1].split()[:4] == ["warmup", ids[0], "COMPLETED", "2/2"]
     assert status[2].split()[2] == "COMPLETED" and status[3].split()[2] == "COMPLETED"
+
+
+def test_a_plugin_family_named_in_the_yaml_trains_in_the_slurm_job(slurm_cluster, tmp_path):
+    # A user's project directory holding the plug-in package, relay submitted from there: the
+    # job runs in that directory and imports the family as the login node did.
+    import shutil
+
+    work = tmp_path / "project"
+    shutil.copytree(ROOT / "tests" / "families", work / "families",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    name = unique("relay-it-plugin-")
+    spec = "families.pixel_mlp:PixelMLPFamily"
+    pretrain = stage("pretrain", tmp_path, max_steps=4, save_interval=2, use_muon=False,
+                     model_family=spec,
+                     transformer_config_overrides={"hidden": 16, "layers": 2})
+    path = write_pipeline(tmp_path, name, {"pretrain": pretrain})
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(ROOT)  # this checkout's relay; nothing names the project
+    proc = relay("submit", str(path), env=env, cwd=work)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    root = tmp_path / "runs"
+    job = json.loads((root / "pipeline.json").read_text())["stages"]["pretrain"]["job_id"]
+    assert wait_final([job]) == {job: "COMPLETED"}, (root / "pretrain" / "slurm").glob("*")
+    out = root / "pretrain"
+    assert logged_steps(out) == [1, 2, 3, 4]
+    complete = json.loads((out / "checkpoint-4" / "COMPLETE").read_text())
+    assert complete["model_config"]["hidden"] == 16 and complete["model_config"]["layers"] == 2
+    assert json.loads((out / "resolved-config.json").read_text())["model_family"] == spec

@@ -47,7 +47,10 @@ SECTIONS: dict[str, list[Arg]] = {
     "model": [
         Arg("model_family", "str", "dit",
             "The model family (architecture) the run trains: `dit`, relay's own video DiT "
-            "(docs/model.md), or a family registered with trainer.models.registry."),
+            "(docs/model.md), `wan` (docs/wan.md), or a family outside relay's package named "
+            "by its class as `package.module:Class` (a trainer.models.family.ModelFamily "
+            "subclass; the module is imported from the directory relay runs in or PYTHONPATH: "
+            "docs/model.md, \"Adding a family\")."),
         Arg("transformer_config_overrides", "dict", {},
             "The complete transformer architecture: the model family's constructor arguments "
             "over its defaults (for `dit`: hidden_size, num_attention_heads, num_layers, "

@@ -118,11 +118,14 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, format
             _check_lora_request(other, format, bool(given.get("merge_lora")))
         given["other_expert"] = other
     from trainer.evaluation.lora_export import LoraExportError
+    from trainer.models.registry import FamilyError
 
     try:
         return spec.write(source, Path(out), overwrite=overwrite, **given)
     except LoraExportError as exc:
         raise ExportError(str(exc)) from None
+    except FamilyError as exc:  # a plug-in family this process cannot import
+        raise ExportError(f"cannot rebuild the model of {source.checkpoint}: {exc}") from None
 
 
 def _check_lora_request(source: "ExportSource", format: str, merge_lora: bool) -> None:
@@ -149,7 +152,7 @@ def read_export_source(path: str | os.PathLike, weights: str = "auto") -> Export
     from trainer.checkpoint.layout import read_complete
     from trainer.evaluation.inference import (INFERENCE_MEMBER, InferenceError, _checkpoint_args,
                                               resolve_checkpoint_dir)
-    from trainer.models.registry import model_config
+    from trainer.models.registry import FamilyError, model_config
 
     checkpoint = resolve_checkpoint_dir(path)
     args = _checkpoint_args(checkpoint)
@@ -165,7 +168,7 @@ def read_export_source(path: str | os.PathLike, weights: str = "auto") -> Export
     if config is None:
         try:
             config = model_config(args)
-        except ValueError as exc:
+        except (ValueError, FamilyError) as exc:
             raise InferenceError(f"cannot rebuild the model config of {checkpoint}: {exc}") from None
     member = INFERENCE_MEMBER.get(args.get("stage", "fm")) if weights == "live" else None
     return ExportSource(checkpoint=checkpoint, args=args, weights=weights, member=member,

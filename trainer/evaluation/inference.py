@@ -68,6 +68,17 @@ def _checkpoint_args(checkpoint: Path) -> ResolvedArgs:
                          f"relay cannot rebuild the model it was trained with.")
 
 
+def _check_family(checkpoint: Path, args: ResolvedArgs) -> None:
+    """The run's model_family is one this process can build: a plug-in
+    ("package.module:Class") is imported as the run imported it. Raises InferenceError."""
+    from trainer.models.registry import FamilyError, family_of
+
+    try:
+        family_of(args)
+    except FamilyError as exc:
+        raise InferenceError(f"cannot rebuild the model of {checkpoint}: {exc}") from None
+
+
 def _members(checkpoint: Path) -> list[str]:
     return list(json.loads((checkpoint / "COMPLETE").read_text()).get("members", []))
 
@@ -85,6 +96,7 @@ def load_model_for_inference(path: str | Path, weights: str = "auto",
     if weights == "ema" and "ema" not in members:
         raise InferenceError(f"{checkpoint} has no EMA weights (members: {', '.join(members)}). "
                              f"Use --weights live.")
+    _check_family(checkpoint, args)
     model = build_model(args, torch.device(device))
     # Multi-role checkpoints keep the sampled model's live weights under its role name.
     member = INFERENCE_MEMBER.get(args.get("stage", "fm")) if weights == "live" else None
