@@ -74,8 +74,13 @@ class BlockCounter:
 
 
 def build_stage(family: str, stage: str, tmp_path: Path, monkeypatch, *extra: str):
-    # a path not yet written: the wan family then takes make_tiny_wan's architecture, not 1.3B's
+    # the stage's model is what its source defines: for wan the tiny pipeline's
+    # transformer/config.json (SFT: make_tiny_wan's, as the path is not written yet)
     weights = tmp_path / "tiny-wan"
+    if family == "wan" and stage != "sft":
+        from trainer.models.wan.tiny import write_tiny_wan_pipeline
+
+        write_tiny_wan_pipeline(weights)
     sources = {"stage2": [f"--{role}_init_path={weights}"
                           for role in ("student", "teacher", "critic")]}.get(
         stage, ["--pretrained_transformer_path", str(weights)])
@@ -86,6 +91,11 @@ def build_stage(family: str, stage: str, tmp_path: Path, monkeypatch, *extra: st
                            "--synthetic_data", "false", "--validation_interval", "-1",
                            "--enable_gradient_checkpointing", "false", *sources, *extra],
                           check_paths=False)
+    if family == "wan":  # the tiny Wan's, not the family's 1.3B defaults
+        from trainer.models.wan.tiny import TRANSFORMER
+
+        assert {k: model_config(args)[k] for k in ("num_layers", "ffn_dim", "text_dim")} == \
+            {k: TRANSFORMER[k] for k in ("num_layers", "ffn_dim", "text_dim")}
     geometry = family_of(args).geometry(model_config(args))
     pt, ph, pw = geometry.patch_size
     # three patch-frames: with the dit's chunk of 2 patch-frames the last chunk is short

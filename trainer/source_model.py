@@ -66,6 +66,10 @@ def inherited_architecture(args: Mapping[str, Any],
     if source is None:
         return {}
     recorded = recorded_model_config(source)
+    if recorded is None and key != "pretrained_transformer_path":
+        # A diffusers directory as, e.g., Stage2's student: its config.json, as the family
+        # reads pretrained_transformer_path's itself.
+        recorded = _directory_config(args, source)
     if recorded is None:
         recorded = next((config for directory, config in (produced or {}).items()
                          if _is_within(source, directory)), None)
@@ -78,6 +82,17 @@ def inherited_architecture(args: Mapping[str, Any],
     if not inherited:
         return {}
     return {"transformer_config_overrides": {**inherited, **overrides}}
+
+
+def _directory_config(args: Mapping[str, Any], source: str) -> dict[str, Any] | None:
+    """The architecture of a checkpoint directory the family reads (a diffusers directory's
+    transformer/config.json), or None when `source` is none it reads."""
+    if not Path(source).is_dir():
+        return None
+    try:
+        return family_of(args).config_from_dir(str(source))
+    except ValueError:
+        return None
 
 
 def _is_within(path: str, directory: str) -> bool:
