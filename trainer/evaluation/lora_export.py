@@ -109,21 +109,13 @@ def write_peft(source, out: Path, *, overwrite: bool) -> list[str]:
     metadata = {"format": "pt",
                 METADATA_KEY: json.dumps({f"{PREFIX}.{k}": v for k, v in config.items()},
                                          indent=2, sort_keys=True)}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.relay-export-{uuid.uuid4().hex[:8]}"
-    try:
-        tmp.mkdir()
+    def fill(tmp: Path) -> None:
         save_file(tensors, str(tmp / ADAPTER_FILE), metadata=metadata)
         follow_umask(tmp / ADAPTER_FILE)  # safetensors creates it 0600
         _same_file(tmp / ADAPTER_FILE, tmp / DIFFUSERS_FILE)
         (tmp / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        replace_directory(tmp, out)
-    except OSError as exc:
-        raise _export_error(f"could not write {out} ({exc.strerror or exc}); nothing partial was "
-                            f"left there. Free space or choose another directory.") from None
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+
+    _publish_directory(out, fill)
     rank = int(source.args["lora_rank"])
     return [f"wrote {out / ADAPTER_FILE} ({len(layers)} adapted layers, rank {rank}, scale "
             f"{lora_scale(source.args):g}), the same file as {out / DIFFUSERS_FILE}, and "
@@ -152,16 +144,31 @@ def write_peft_pair(experts: dict[str, Any], out: Path, *, overwrite: bool) -> l
             raise _export_error(f"{out} holds files that are not a LoRA pair export (no "
                                 f"{EXPERTS_FILE}); --force replaces only a previous export. "
                                 f"Choose another directory.")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.relay-export-{uuid.uuid4().hex[:8]}"
-    lines, record = [], {}
-    try:
-        tmp.mkdir()
+    lines: list[str] = []
+
+    def fill(tmp: Path) -> None:
+        record = {}
         for folder, name in names.items():
-            lines += write_peft(experts[folder], tmp / name, overwrite=False)
+            lines.extend(line.replace(str(tmp), str(out)) for line in
+                         write_peft(experts[folder], tmp / name, overwrite=False))
             record[name] = {"transformer": folder, "source": experts[folder].describe(),
                             "load_into_transformer_2": folder == "transformer_2"}
         (tmp / EXPERTS_FILE).write_text(json.dumps(record, indent=2) + "\n")
+
+    _publish_directory(out, fill)
+    return lines + [f"wrote {out / EXPERTS_FILE}: pipe.load_lora_weights('{out}/high_noise', "
+                    f"adapter_name='high_noise'); pipe.load_lora_weights('{out}/low_noise', "
+                    f"adapter_name='low_noise', load_into_transformer_2=True)"]
+
+
+def _publish_directory(out: Path, fill) -> None:
+    """`fill(tmp)` writes the export into a temporary directory beside `out`, which then
+    replaces `out` whole; nothing partial is left on failure."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.relay-export-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        fill(tmp)
         replace_directory(tmp, out)
     except OSError as exc:
         raise _export_error(f"could not write {out} ({exc.strerror or exc}); nothing partial was "
@@ -169,10 +176,6 @@ def write_peft_pair(experts: dict[str, Any], out: Path, *, overwrite: bool) -> l
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    lines = [line.replace(str(tmp), str(out)) for line in lines]
-    return lines + [f"wrote {out / EXPERTS_FILE}: pipe.load_lora_weights('{out}/high_noise', "
-                    f"adapter_name='high_noise'); pipe.load_lora_weights('{out}/low_noise', "
-                    f"adapter_name='low_noise', load_into_transformer_2=True)"]
 
 
 def _same_file(written: Path, name: Path) -> None:
