@@ -194,7 +194,7 @@ def test_experts_that_do_not_make_a_pair_are_refused(trained, tmp_path, capsys):
     _refused(capsys, "export", low, "--format", "diffusers", "--out", str(out), "--components",
              str(plain), needles=("low-noise expert", "has one transformer"))
     _refused(capsys, "export", high, "--other-expert", low, "--out", str(tmp_path / "m.safetensors"),
-             needles=("--other-expert applies to --format diffusers, not to --format relay",))
+             needles=("--other-expert applies to --format diffusers or peft, not to --format relay",))
     assert not out.exists() and not (tmp_path / "m.safetensors").exists()
 
 
