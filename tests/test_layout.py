@@ -80,7 +80,8 @@ TORCH_FREE = ("launcher.cli", "launcher.pipeline", "launcher.slurm", "launcher.s
               "launcher.record", "launcher.local", "trainer.config.schema", "trainer.config.args",
               "trainer.preflight", "trainer.config.stage_checks", "trainer.models.dit.config",
               "trainer.checkpoint.weights_source", "trainer.checkpoint.layout", "trainer.runtime.environment",
-              "trainer.runtime.files")
+              "trainer.runtime.files", "trainer.stages.declaration", "trainer.stages.declarations",
+              "trainer.stages.registry")
 
 
 def _torch_loaded_after(code: str) -> tuple[bool, str]:

@@ -14,6 +14,7 @@ import torch
 from trainer import warmup
 from trainer.config.args import resolve_config
 from trainer.data.synthetic import ensure_dataset
+from trainer.stages import fm
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "config" / "tiny" / "pretrain.yaml")
@@ -180,13 +181,13 @@ def test_compile_transformer_compiles_every_block_and_counts_the_cache_files_it_
 
 def test_a_long_step_logs_a_heartbeat(tmp_path, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="relay")
-    real_loss = warmup.STAGE_LOSSES["fm"]
+    real_loss = fm.warmup_loss
 
     def slow_loss(*args):
         time.sleep(0.3)
         return real_loss(*args)
 
-    monkeypatch.setitem(warmup.STAGE_LOSSES, "fm", slow_loss)
+    monkeypatch.setattr(fm, "warmup_loss", slow_loss)  # what the stage's declaration names
     warmup.warm_up_kernels(resolve_config(TINY, _argv(tmp_path)), "cpu", heartbeat_s=0.05)
     assert any("still in the forward pass" in r.getMessage() for r in caplog.records)
 
@@ -208,7 +209,7 @@ def test_main_reports_a_failed_warm_up_with_exit_code_1(tmp_path, monkeypatch, c
     def broken(*args):
         raise RuntimeError("CUDA out of memory (pretend)")
 
-    monkeypatch.setitem(warmup.STAGE_LOSSES, "fm", broken)
+    monkeypatch.setattr(fm, "warmup_loss", broken)
     target = tmp_path / "warmup.json"
     monkeypatch.setenv(warmup.REPORT_ENV, str(target))
     assert warmup.main(["--config", TINY, *_argv(tmp_path)]) == 1

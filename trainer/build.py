@@ -1,10 +1,11 @@
 """Builds what a run is made of (models, text encoder, data, the stage) for training, inference
 and the kernel warm-up alike, so all three get the same model from the same arguments.
 
-Stages (trainer/stages/) compute losses; this module decides how their parts are constructed:
-the model from its family (`model_family`, trainer.models.registry) and `model_config(args)`,
-activation checkpointing and torch.compile as the args ask,
-the frozen teacher and trainable critic of Stage2, the data iterator of this rank.
+Stages (trainer/stages/) compute losses, and each stage's builder puts it together from the
+parts constructed here: the model from its family (`model_family`, trainer.models.registry) and
+`model_config(args)`, activation checkpointing and torch.compile as the args ask, FSDP2 and
+context parallel, optimizers, schedules and EMAs, the text encoder, the data iterator of this
+rank.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from trainer.models.fa4_ops import FA4_OPS
 from trainer.config.schema import ResolvedArgs
 from trainer.models.lora_targets import lora_enabled
 from trainer.models.registry import family_of, model_config
+from trainer.stages.registry import stage_of
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +32,6 @@ def build_model(args: ResolvedArgs, device: torch.device, config: dict | None = 
 def geometry(args: ResolvedArgs):
     """The run's model geometry (trainer.models.family.Geometry)."""
     return family_of(args).geometry(model_config(args))
-
-
-def build_score_models(args: ResolvedArgs, device: torch.device):
-    """Stage2's (teacher, critic): bidirectional single-time copies of the student's config,
-    the teacher frozen, both prepared for training (compile, checkpointing) like the student."""
-    config = family_of(args).bidirectional_config(model_config(args))
-    teacher = build_model(args, device, config).eval().requires_grad_(False)
-    critic = build_model(args, device, config)
-    return prepare_for_training(teacher, args), prepare_for_training(critic, args)
 
 
 def build_trained_model(args: ResolvedArgs, topo: Topology, *,
@@ -256,64 +249,12 @@ def sample_latent_shape(args: ResolvedArgs) -> tuple[int, int, int, int]:
 
 
 def build_stage(args: ResolvedArgs, topo: Topology):
-    """The stage object for args.stage, with its models, optimizers, schedulers and data.
+    """The stage object for args.stage, with its models, optimizers, schedulers and data: the
+    builder its declaration names (trainer.stages.registry).
 
     Weights are random here: trainer.checkpoint.run_state then resumes or warm starts them.
     """
-    builders = {"fm": _fm_stage, "tf_anyflow": _tf_anyflow_stage, "dmd_sgf": _dmd_sgf_stage}
-    return builders[args.stage](args, topo)  # the schema's choices name only these
-
-
-def _fm_stage(args: ResolvedArgs, topo: Topology):
-    """Pretrain / SFT: one transformer, its optimizer, schedule and EMA."""
-    from trainer.stages.fm import FlowMatchingStage, PackedForward
-
-    model = build_trained_model(args, topo, warm_start=True)
-    optimizer, scheduler = build_optimization(args, model, max_steps=args.max_steps)
-    # Packs run through forward_packed (registered with FSDP2 in trainer.parallel.distributed).
-    runs = PackedForward(model) if packing_budget(args) is not None else model
-    encoder = build_text_encoder(args, topo.device)
-    return FlowMatchingStage(model, runs, optimizer, scheduler,
-                             build_ema(args, model), build_data(args, topo, text_encoder=encoder),
-                             args, encoder, topo.device, dp_rank=topo.dp_rank,
-                             dp_world=topo.dp_world)
-
-
-def _tf_anyflow_stage(args: ResolvedArgs, topo: Topology):
-    """Stage1: the causal two-time transformer, trained through its teacher-forcing forward."""
-    from trainer.stages.tf_anyflow import (TeacherForcingForward, TeacherForcingPackedForward,
-                                           TFAnyFlowStage)
-
-    model = build_trained_model(args, topo, warm_start=True)
-    optimizer, scheduler = build_optimization(args, model, max_steps=args.max_steps)
-    packed = packing_budget(args) is not None
-    forward = TeacherForcingPackedForward if packed else TeacherForcingForward
-    encoder = build_text_encoder(args, topo.device)
-    return TFAnyFlowStage(model, forward(model), optimizer,
-                          scheduler, build_ema(args, model),
-                          build_data(args, topo, text_encoder=encoder), args,
-                          encoder, topo.device, dp_rank=topo.dp_rank, dp_world=topo.dp_world)
-
-
-def _dmd_sgf_stage(args: ResolvedArgs, topo: Topology):
-    """Stage2: student, frozen teacher and critic; the student's and the critic's optimizers."""
-    from trainer.stages.dmd_sgf import DMDSGFStage, student_updates_through
-
-    student = build_trained_model(args, topo)
-    # Sharded like the student; the frozen teacher holds no gradient and no optimizer state.
-    teacher, critic = (distribute(m, topo) for m in build_score_models(args, topo.device))
-    # Each schedule counts its own role's updates: the student's runs over the student updates
-    # the run will make, the critic's over every outer step.
-    student_steps = max(1, student_updates_through(args.max_steps, args.generator_update_interval))
-    student_opt, student_sched = build_optimization(args, student, max_steps=student_steps)
-    critic_opt, critic_sched = build_optimization(
-        args, critic, max_steps=args.max_steps, use_muon=False,
-        learning_rate=args.critic_learning_rate,
-        betas=(args.critic_adam_beta1, args.critic_adam_beta2))
-    encoder = build_text_encoder(args, topo.device)
-    return DMDSGFStage(student, teacher, critic, {"student": student_opt, "critic": critic_opt},
-                       {"student": student_sched, "critic": critic_sched}, build_ema(args, student),
-                       build_data(args, topo, text_encoder=encoder), args, encoder, topo.device)
+    return stage_of(args).build(args, topo)
 
 
 def build_optimization(args: ResolvedArgs, model: torch.nn.Module, *, max_steps: int,

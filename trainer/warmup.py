@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 if __package__ in (None, ""):  # `python trainer/warmup.py`: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -36,11 +36,11 @@ if __package__ in (None, ""):  # `python trainer/warmup.py`: make the repository
 import torch
 
 from trainer.config.args import resolve_args
-from trainer.build import (build_model, build_score_models, build_text_encoder,
-                           prepare_for_training, sample_latent_shape)
+from trainer.build import build_model, prepare_for_training, sample_latent_shape
 from trainer.runtime.files import write_json
 from trainer.config.schema import ConfigError, ResolvedArgs
 from trainer.models.registry import family_of, model_config
+from trainer.stages.registry import stage_of
 
 log = logging.getLogger("relay")
 
@@ -66,56 +66,6 @@ def warmup_shapes(args: ResolvedArgs) -> dict[str, Any]:
     return {"batch": int(args.train_batch_size), "latent": list(latent),
             "text_tokens": int(args.text_max_tokens), "text_dim": int(geometry.text_dim),
             "video_tokens": (t // pt) * (h // ph) * (w // pw)}
-
-
-def _null_caption(args: ResolvedArgs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The null caption [L, D] and its mask [L], as the stages keep it for caption dropout."""
-    null_text, null_mask = build_text_encoder(args).null_embedding()
-    # null_embedding has a batch dim of 1, which drop_captions would broadcast to [1, B, L, D].
-    return (null_text.reshape(null_text.shape[-2:]).to(device),
-            null_mask.reshape(null_mask.shape[-1:]).to(device))
-
-
-def _fm_loss(model, batch: dict, args: ResolvedArgs, shapes: dict) -> torch.Tensor:
-    from trainer.stages.fm import fm_loss
-
-    null_text, null_mask = _null_caption(args, batch["latents"].device)
-    loss, _ = fm_loss(model, batch, args, null_text, null_mask, shapes["video_tokens"])
-    return loss
-
-
-def _tf_anyflow_loss(model, batch: dict, args: ResolvedArgs, shapes: dict) -> torch.Tensor:
-    from trainer.stages.tf_anyflow import TeacherForcingForward, anyflow_batch_loss
-
-    # Teacher forcing runs [clean | noisy] sequences under the block-causal mask: twice the
-    # video tokens of FM, so its kernels (and their autotuned configs) are its own.
-    null_text, null_mask = _null_caption(args, batch["latents"].device)
-    loss, _ = anyflow_batch_loss(TeacherForcingForward(model), batch, args, null_text, null_mask,
-                                 num_tokens=shapes["video_tokens"])
-    return loss
-
-
-def _dmd_sgf_loss(student, batch: dict, args: ResolvedArgs, shapes: dict) -> torch.Tensor:
-    from trainer.stages.dmd_sgf import DMDSGFStage
-
-    # One outer step holds all three roles in memory, as training does: the student's rollout
-    # and its replay, then the teacher and critic scores (generator loss) and the critic's own
-    # flow-matching loss. Random weights: the shapes, not the values, pick the kernels.
-    device = batch["latents"].device
-    teacher, critic = build_score_models(args, device)
-    stage = DMDSGFStage(student, teacher, critic, {}, {}, None, None, args,
-                        build_text_encoder(args), device)
-    captions = stage._captions(batch)
-    x_hat, frame_mask, _ = stage.student_sample(batch, with_grad=True)
-    generator, _ = stage.generator_loss(x_hat, frame_mask, captions)
-    return generator + stage.critic_loss(x_hat.detach(), frame_mask, captions)
-
-
-# stage -> the loss of one micro-batch (Stage2: of one outer step), through the same code the
-# stage trains with. A new stage adds its loss here.
-STAGE_LOSSES: dict[str, Callable[..., torch.Tensor]] = {"fm": _fm_loss,
-                                                        "tf_anyflow": _tf_anyflow_loss,
-                                                        "dmd_sgf": _dmd_sgf_loss}
 
 
 def _random_batch(shapes: dict, device: torch.device) -> dict:
@@ -177,6 +127,8 @@ def warm_up_kernels(args: ResolvedArgs, device: torch.device | str,
     compile_transformer, shapes (warmup_shapes), loss, timings_s (build, forward, backward,
     total), peak_device_mem_gb (None on CPU), caches ({VAR: path, files_before, files_after,
     added}), torch, cuda.
+    The loss is the one the stage's declaration names (`warmup_loss`): one micro-batch (Stage2:
+    one outer step) through the same code the stage trains with.
     Raises ValueError for a stage without a warm-up loss, FileNotFoundError / ValueError when
     the data cannot be read, and whatever the forward/backward raises (an out-of-memory error
     here is one the training run would have hit too).
@@ -184,9 +136,10 @@ def warm_up_kernels(args: ResolvedArgs, device: torch.device | str,
     from trainer.stages.base import autocast_context
 
     device = torch.device(device)
-    if args.stage not in STAGE_LOSSES:
-        raise ValueError(f"no kernel warm-up for stage {args.stage!r}; known: "
-                         f"{', '.join(sorted(STAGE_LOSSES))}")
+    stage_loss = stage_of(args).load_warmup_loss()
+    if stage_loss is None:
+        raise ValueError(f"no kernel warm-up for stage {args.stage!r}: its declaration names no "
+                         f"warmup_loss")
     config = model_config(args)
     shapes = warmup_shapes(args)
     before = _cache_counts()
@@ -205,7 +158,7 @@ def warm_up_kernels(args: ResolvedArgs, device: torch.device | str,
     built = time.perf_counter()
     with _Heartbeat("in the forward pass", heartbeat_s):
         with autocast_context(device, args.dtype):
-            loss = STAGE_LOSSES[args.stage](model, batch, args, shapes)
+            loss = stage_loss(model, batch, args, shapes)
         _sync(device)
     forward_done = time.perf_counter()
     with _Heartbeat("in the backward pass", heartbeat_s):

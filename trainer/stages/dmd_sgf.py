@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from trainer.diffusion import flow
-from trainer.models.registry import family_of
+from trainer.models.registry import family_of, model_config
 from trainer.parallel.distributed import max_across_ranks
 from trainer.diffusion.sample_draws import SampleDraws, step_generator
 from trainer.stages import rollout as ro
@@ -495,3 +495,55 @@ class DMDSGFStage(Stage):
 
     def sampling_model(self, weights: str = "live") -> nn.Module:
         return self.student
+
+
+# ---- the stage's construction and kernel warm-up (its declaration names these) ----------------
+
+def build_score_models(args, device: torch.device):
+    """(teacher, critic): bidirectional single-time copies of the student's config, the teacher
+    frozen, both prepared for training (compile, checkpointing) like the student."""
+    from trainer.build import build_model, prepare_for_training
+
+    config = family_of(args).bidirectional_config(model_config(args))
+    teacher = build_model(args, device, config).eval().requires_grad_(False)
+    critic = build_model(args, device, config)
+    return prepare_for_training(teacher, args), prepare_for_training(critic, args)
+
+
+def build(args, topo) -> DMDSGFStage:
+    """Stage2: student, frozen teacher and critic; the student's and the critic's optimizers."""
+    from trainer.build import (build_data, build_ema, build_optimization, build_text_encoder,
+                               build_trained_model, distribute)
+
+    student = build_trained_model(args, topo)
+    # Sharded like the student; the frozen teacher holds no gradient and no optimizer state.
+    teacher, critic = (distribute(m, topo) for m in build_score_models(args, topo.device))
+    # Each schedule counts its own role's updates: the student's runs over the student updates
+    # the run will make, the critic's over every outer step.
+    student_steps = max(1, student_updates_through(args.max_steps, args.generator_update_interval))
+    student_opt, student_sched = build_optimization(args, student, max_steps=student_steps)
+    critic_opt, critic_sched = build_optimization(
+        args, critic, max_steps=args.max_steps, use_muon=False,
+        learning_rate=args.critic_learning_rate,
+        betas=(args.critic_adam_beta1, args.critic_adam_beta2))
+    encoder = build_text_encoder(args, topo.device)
+    return DMDSGFStage(student, teacher, critic, {"student": student_opt, "critic": critic_opt},
+                       {"student": student_sched, "critic": critic_sched}, build_ema(args, student),
+                       build_data(args, topo, text_encoder=encoder), args, encoder, topo.device)
+
+
+def warmup_loss(student: nn.Module, batch: dict, args, shapes: dict) -> torch.Tensor:
+    """The loss of one outer step for the kernel warm-up (trainer.warmup). It holds all three
+    roles in memory, as training does: the student's rollout and its replay, then the teacher
+    and critic scores (generator loss) and the critic's own flow-matching loss. Random weights:
+    the shapes, not the values, pick the kernels."""
+    from trainer.build import build_text_encoder
+
+    device = batch["latents"].device
+    teacher, critic = build_score_models(args, device)
+    stage = DMDSGFStage(student, teacher, critic, {}, {}, None, None, args,
+                        build_text_encoder(args), device)
+    captions = stage._captions(batch)
+    x_hat, frame_mask, _ = stage.student_sample(batch, with_grad=True)
+    generator, _ = stage.generator_loss(x_hat, frame_mask, captions)
+    return generator + stage.critic_loss(x_hat.detach(), frame_mask, captions)

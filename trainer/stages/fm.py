@@ -262,3 +262,38 @@ class FlowMatchingStage(Stage):
 
     def sampling_model(self, weights: str = "live") -> nn.Module:
         return self.model
+
+
+# ---- the stage's construction and kernel warm-up (its declaration names these) ----------------
+
+def build(args, topo) -> FlowMatchingStage:
+    """Pretrain / SFT: one transformer, its optimizer, schedule and EMA."""
+    from trainer.build import (build_data, build_ema, build_optimization, build_text_encoder,
+                               build_trained_model, packing_budget)
+
+    model = build_trained_model(args, topo, warm_start=True)
+    optimizer, scheduler = build_optimization(args, model, max_steps=args.max_steps)
+    # Packs run through forward_packed (registered with FSDP2 in trainer.parallel.distributed).
+    runs = PackedForward(model) if packing_budget(args) is not None else model
+    encoder = build_text_encoder(args, topo.device)
+    return FlowMatchingStage(model, runs, optimizer, scheduler,
+                             build_ema(args, model), build_data(args, topo, text_encoder=encoder),
+                             args, encoder, topo.device, dp_rank=topo.dp_rank,
+                             dp_world=topo.dp_world)
+
+
+def warmup_null_caption(args, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The null caption [L, D] and its mask [L], as the stages keep it for caption dropout."""
+    from trainer.build import build_text_encoder
+
+    null_text, null_mask = build_text_encoder(args).null_embedding()
+    # null_embedding has a batch dim of 1, which drop_captions would broadcast to [1, B, L, D].
+    return (null_text.reshape(null_text.shape[-2:]).to(device),
+            null_mask.reshape(null_mask.shape[-1:]).to(device))
+
+
+def warmup_loss(model: nn.Module, batch: dict, args, shapes: dict) -> torch.Tensor:
+    """The loss of one micro-batch for the kernel warm-up (trainer.warmup)."""
+    null_text, null_mask = warmup_null_caption(args, batch["latents"].device)
+    loss, _ = fm_loss(model, batch, args, null_text, null_mask, shapes["video_tokens"])
+    return loss

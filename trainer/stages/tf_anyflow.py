@@ -651,3 +651,33 @@ def sample_flowmap(model: nn.Module, text: torch.Tensor, text_mask: torch.Tensor
         commit = done if guidance == 1.0 else torch.cat([done, done])
         model.commit_chunk(commit.to(to_model), cache, start)
     return x
+
+
+# ---- the stage's construction and kernel warm-up (its declaration names these) ----------------
+
+def build(args, topo) -> TFAnyFlowStage:
+    """Stage1: the causal two-time transformer, trained through its teacher-forcing forward."""
+    from trainer.build import (build_data, build_ema, build_optimization, build_text_encoder,
+                               build_trained_model, packing_budget)
+
+    model = build_trained_model(args, topo, warm_start=True)
+    optimizer, scheduler = build_optimization(args, model, max_steps=args.max_steps)
+    packed = packing_budget(args) is not None
+    forward = TeacherForcingPackedForward if packed else TeacherForcingForward
+    encoder = build_text_encoder(args, topo.device)
+    return TFAnyFlowStage(model, forward(model), optimizer,
+                          scheduler, build_ema(args, model),
+                          build_data(args, topo, text_encoder=encoder), args,
+                          encoder, topo.device, dp_rank=topo.dp_rank, dp_world=topo.dp_world)
+
+
+def warmup_loss(model: nn.Module, batch: dict, args, shapes: dict) -> torch.Tensor:
+    """The loss of one micro-batch for the kernel warm-up (trainer.warmup). Teacher forcing runs
+    [clean | noisy] sequences under the block-causal mask: twice the video tokens of FM, so its
+    kernels (and their autotuned configs) are its own."""
+    from trainer.stages.fm import warmup_null_caption
+
+    null_text, null_mask = warmup_null_caption(args, batch["latents"].device)
+    loss, _ = anyflow_batch_loss(TeacherForcingForward(model), batch, args, null_text, null_mask,
+                                 num_tokens=shapes["video_tokens"])
+    return loss
