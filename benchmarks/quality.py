@@ -207,12 +207,12 @@ def evaluate_stage(stage_dir: Path, steps_list, *, captions: int, seed: int, dev
 
     from trainer.evaluation.evaluate import evaluation_suite, latents_to_frames, summary_scores
     from trainer.evaluation.inference import generate, load_model_for_inference
-    from trainer.diffusion.sampling import sampler_settings
+    from trainer.stages.registry import sampling_plan
 
     loaded = load_model_for_inference(stage_dir, "auto", device=device)
     prompts, score = evaluation_suite(loaded.args.get("synthetic_generator", "shapes"))
     prompts = list(prompts[:captions])
-    _, guidance = sampler_settings(loaded.args)
+    guidance = sampling_plan(loaded.args).guidance
     cfg = loaded.model.cfg
     _, t, h, w = loaded.latent_shape
     clip_tokens = (t // cfg.patch_size[0]) * (h // cfg.patch_size[1]) * (w // cfg.patch_size[2])

@@ -2,8 +2,9 @@
 
 `validate_args` runs in train.py (also for --dry-run), in `relay resolve` and in `relay submit`
 on the login node, before any model, process group or Slurm job exists, so a job never fails
-on the cluster for something that could have been said here. Stage-specific rules live in
-trainer.config.stage_checks and are called from here only.
+on the cluster for something that could have been said here. What a stage requires is what it
+declares (trainer.stages.declaration, found by trainer.stages.registry), checked through
+trainer.config.stage_checks.
 """
 
 from __future__ import annotations
@@ -29,14 +30,10 @@ from trainer.models.family import ConfigDirError
 from trainer.models.registry import family_of, model_config, model_config_file
 from trainer.checkpoint.weights_source import (resolve_weights_source, stored_shapes,
                                                weights_fit_problem)
+from trainer.stages.registry import builtin_stages, stage_of
 
 # What example configs write where a user must put their own value.
 PLACEHOLDER = re.compile(r"/path/to/|<[A-Za-z][A-Za-z0-9_ .-]*>|\bchangeme\b", re.IGNORECASE)
-# The warm-start paths each stage reads, with the key naming which weights (live | ema).
-WEIGHT_KEYS = {"fm": (("pretrained_transformer_path", "pretrained_weights"),),
-               "tf_anyflow": (("pretrained_transformer_path", "pretrained_weights"),),
-               "dmd_sgf": tuple((f"{role}_init_path", f"{role}_init_weights")
-                                for role in ("student", "teacher", "critic"))}
 
 
 def _check(condition: bool, message: str) -> None:
@@ -61,6 +58,7 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
     pipeline_outputs: the output_dirs of every stage of the pipeline being validated (relay
     submit / run): a path inside one is a stage's output, never a Hub id.
     """
+    stage_of(args)  # a stage relay cannot find is refused before anything asks it
     if check_weights or pipeline_outputs is not None:
         # before anything that would read the missing directory's defaults
         _refuse_hub_ids(args, pipeline_outputs or ())
@@ -145,16 +143,14 @@ def _validate_timestep_range(args: ResolvedArgs) -> None:
            f"`train_timestep_range` must be [lo, hi] with 0 <= lo < hi <= 1 (fractions of the "
            f"train timesteps after the shift, e.g. [0.875, 1.0] for timesteps 875 to 1000), got "
            f"{list(span)}. Fix the value, or remove it to train on every timestep.")
-    if args.stage != "fm" and list(span) != [0.0, 1.0]:
-        what = {"tf_anyflow": "Stage1 (tf_anyflow) draws a pair of times per sample for its "
-                              "flow map",
-                "dmd_sgf": "Stage2 (dmd_sgf) runs the student over its dmd_denoising_steps and "
-                           "scores at times of its own"}[args.stage]
+    what = stage_of(args).timestep_range_refusal
+    if what is not None and list(span) != [0.0, 1.0]:
+        readers = " or ".join(d.name for d in builtin_stages() if d.timestep_range_refusal is None)
         raise ConfigError(
             f"`train_timestep_range` is {list(span)}, but it restricts flow matching's noise "
-            f"levels (stage fm) only: {what}, and neither reads it. Remove it (or set it to "
-            f"[0.0, 1.0]) for stage {args.stage}; to fine-tune one expert of a Wan2.2 A14B "
-            f"directory on its timesteps, use stage fm (docs/wan.md).")
+            f"levels (stage {readers}) only: {what}, and neither reads it. Remove it (or set it "
+            f"to [0.0, 1.0]) for stage {args.stage}; to fine-tune one expert of a Wan2.2 A14B "
+            f"directory on its timesteps, use stage {readers} (docs/wan.md).")
 
 
 CONDITIONING_TASKS = ("t2v", "i2v", "continuation")
@@ -175,8 +171,8 @@ def _validate_health_gate(args: ResolvedArgs) -> None:
                f"check off), got {args[key]}.")
     if not args.health_gate:
         return
-    critic_watched = args.stage == "dmd_sgf" and (args.health_critic_max_ratio > 0
-                                                  or args.health_critic_min_ratio > 0)
+    critic_watched = stage_of(args).health_watches_critic and (
+        args.health_critic_max_ratio > 0 or args.health_critic_min_ratio > 0)
     _check(args.validation_interval > 0 or critic_watched,
            f"`health_gate: true` has nothing to watch: validation runs only at the end "
            f"(validation_interval {args.validation_interval}), so the score gate never sees "
@@ -451,7 +447,8 @@ def _validate_weight_sources(args: ResolvedArgs) -> None:
     problem = lora_init_problem(args)
     if problem:
         raise ConfigError(problem)
-    if args.stage == "fm" and not args.load_transformer_weights:
+    keys = stage_of(args).read_weight_keys(args)
+    if not keys:
         return
     if tiny_wan_pending(args):
         return  # the run writes it (make_tiny_wan) before it reads it
@@ -467,11 +464,12 @@ def _validate_weight_sources(args: ResolvedArgs) -> None:
         except CheckpointError as exc:
             raise ConfigError(str(exc)) from None
         return
-    for key, weights_key in WEIGHT_KEYS.get(args.stage, ()):
+    for weight_key in keys:
+        key = weight_key.path
         if args[key] is None:
             continue
         try:
-            resolve_weights_source(args[key], weights=args[weights_key])
+            resolve_weights_source(args[key], weights=args[weight_key.weights])
         except CheckpointError as exc:
             raise ConfigError(f"`{key}`: {exc}. The run would warm start from it; fix the path "
                               f"(or run the stage that writes it first).") from None
@@ -503,7 +501,7 @@ def _refuse_hub_ids(args: ResolvedArgs, outputs: tuple[str, ...] = ()) -> None:
     """A warm-start path given as a Hub id (Wan-AI/Wan2.1-T2V-1.3B-Diffusers) is refused first,
     in one paragraph: relay downloads nothing, and every later check would read defaults in
     place of the missing directory's (vae_path, text_dim, ...)."""
-    keys = [key for key, _ in WEIGHT_KEYS.get(args.stage, ())]
+    keys = [key.path for key in stage_of(args).weight_keys]
     if lora_enabled(args):
         keys.append("lora_init_path")
     for key in keys:

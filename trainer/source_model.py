@@ -21,20 +21,16 @@ from typing import Any, Mapping
 from trainer.checkpoint.layout import CheckpointError, list_checkpoints, read_complete
 from trainer.checkpoint.weights_source import MODEL_CONFIG_FILE
 from trainer.models.registry import family_of
+from trainer.stages.registry import stage_of
 
 
 def model_source_key(args: Mapping[str, Any]) -> str | None:
     """The key naming the weights the run's own model starts from (its student's for a stage
-    with several roles), or None when it starts from nothing."""
-    from trainer.preflight import WEIGHT_KEYS
-
-    keys = WEIGHT_KEYS.get(args.get("stage"))
-    if not keys:
+    with several roles: its stage declares it first), or None when it starts from nothing."""
+    keys = stage_of(args).weight_keys
+    if not keys or not keys[0].read(args):
         return None
-    key = keys[0][0]
-    if key == "pretrained_transformer_path" and not args.get("load_transformer_weights"):
-        return None
-    return key
+    return keys[0].path
 
 
 def recorded_model_config(path: str | Path) -> dict[str, Any] | None:

@@ -18,15 +18,15 @@ from typing import Any, Mapping
 
 from trainer.checkpoint.layout import CheckpointError
 from trainer.checkpoint.lora_base import base_reference, describe_change
+from trainer.stages.registry import stage_of
 
 FROZEN_FILE = "frozen-roles.json"
 
 
 def frozen_roles(args: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
-    """role -> (source path, weights) of the roles this run keeps out of its checkpoints."""
-    if args.get("stage") == "dmd_sgf" and not args.get("save_frozen_teacher", False):
-        return {"teacher": (args["teacher_init_path"], args["teacher_init_weights"])}
-    return {}
+    """role -> (source path, weights) of the roles this run keeps out of its checkpoints (those
+    its stage declares)."""
+    return stage_of(args).frozen_roles(args)
 
 
 def read_recorded_frozen(checkpoint: str | Path) -> dict[str, dict[str, Any]]:

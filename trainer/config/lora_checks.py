@@ -14,18 +14,7 @@ from trainer.config.schema import ConfigError, ResolvedArgs
 from trainer.models.lora_targets import (adapter_param_count, lora_enabled, match_targets,
                                          target_entries)
 from trainer.models.registry import family_of, model_config
-
-# Stages a LoRA trains, and why the others are refused.
-LORA_STAGES = ("fm",)
-_REFUSED_STAGES = {
-    "tf_anyflow": "Stage1 turns a bidirectional single-time model into a causal two-time one: "
-                  "its second time input is a new module that must train in full, and the "
-                  "causal attention changes what every weight sees, which a low-rank update of "
-                  "a few layers does not cover",
-    "dmd_sgf": "Stage2 trains a student and a critic from different weights (its student_, "
-               "teacher_ and critic_init_path) while a LoRA run has one frozen base "
-               "(pretrained_transformer_path)",
-}
+from trainer.stages.registry import builtin_stages, stage_of
 
 
 def validate_lora(args: ResolvedArgs) -> None:
@@ -36,10 +25,11 @@ def validate_lora(args: ResolvedArgs) -> None:
     if args.lora_rank < 0:
         raise ConfigError(f"`lora_rank` must be >= 0 (0: no LoRA), got {args.lora_rank}.")
     problems = []
-    if args.stage not in LORA_STAGES:
-        problems.append(f"stage {args.stage} does not train a LoRA: "
-                        f"{_REFUSED_STAGES.get(args.stage, 'it is not built for one')}; "
-                        f"LoRA trains with stage fm (SFT)")
+    refusal = stage_of(args).lora_refusal
+    if refusal is not None:
+        trained = " or ".join(d.name for d in builtin_stages() if d.lora_refusal is None)
+        problems.append(f"stage {args.stage} does not train a LoRA: {refusal}; LoRA trains "
+                        f"with stage {trained}")
     if not args.load_transformer_weights or args.pretrained_transformer_path is None:
         problems.append("a LoRA adapts frozen base weights, and none are named: set "
                         "load_transformer_weights: true and pretrained_transformer_path to "

@@ -4,7 +4,8 @@
 convention G_w(c, u) = u + w (c - u) (w = 1: conditional only). With `first_frame`, the first
 latent frame is given clean (kept at t = 0 throughout), as in image-conditioned training.
 
-Every stage has a sampler with the same signature (see `sampler_for`):
+Every stage's sampler has the same signature; the stage's declaration names it, with its
+steps, guidance and shift (trainer.stages.declaration.SamplingPlan):
     fn(model, text, text_mask, null_text, null_mask, *, shape, steps, guidance, shift,
        generator, first_frame=None) -> latents [B, C, T, H, W]
 """
@@ -44,36 +45,3 @@ def sample_fm(model: nn.Module, text: torch.Tensor, text_mask: torch.Tensor,
         if clean:
             x[:, :, :clean] = first_frame.to(x)
     return x
-
-
-def sampler_for(stage: str):
-    """The sampler of a training stage: FM Euler, Stage1 flow map, Stage2 causal rollout."""
-    if stage == "fm":
-        return sample_fm
-    if stage == "tf_anyflow":
-        from trainer.stages.tf_anyflow import sample_flowmap
-
-        return sample_flowmap
-    if stage == "dmd_sgf":
-        from trainer.stages.rollout import sample_student
-
-        return sample_student
-    raise ValueError(f"no sampler for stage {stage!r}")
-
-
-def sampler_settings(args) -> tuple[int, float]:
-    """(steps, guidance) of the stage's sampler for validation."""
-    if args.stage == "tf_anyflow":
-        fused = args.anyflow_fuse_guidance_scale != 1.0
-        return args.flowmap_sampling_steps, (1.0 if fused else args.validation_guidance)
-    if args.stage == "dmd_sgf":
-        return len(args.dmd_denoising_steps), 1.0
-    return args.validation_steps, args.validation_guidance
-
-
-def sampling_shift(args) -> float:
-    """The shift of the sampler's timestep grid: the training shift, except for a Stage2
-    student trained on an unwarped step list (its steps are then used as given)."""
-    if args.stage == "dmd_sgf" and not args.warp_denoising_step:
-        return 1.0
-    return args.train_timestep_shift

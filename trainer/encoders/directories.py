@@ -14,7 +14,7 @@ tokenizer/ and scheduler/, as Wan-AI's "-Diffusers" releases ship) given as
     train_timestep_range   for an expert folder of a Wan2.2 A14B directory (model_index.json
                            with transformer_2 and boundary_ratio b), the timesteps WanPipeline
                            gives that expert: transformer/ [b, 1], transformer_2/ [0, b]
-                           (flow matching only)
+                           (stages that draw flow matching's noise levels)
 
 A value the YAML or the command line sets always wins. A folder that is missing is still
 named, so preflight refuses the run with one paragraph (`missing_component`) rather than
@@ -26,6 +26,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+from trainer.stages.registry import stage_of
 
 # Each entry is one way a transformers tokenizer can be stored: every file of it must be there.
 TOKENIZER_FILE_SETS = (
@@ -193,7 +195,7 @@ def pipeline_defaults(args: dict[str, Any], explicit: set[str] | frozenset[str],
     # An A14B expert trains on the timesteps WanPipeline gives it (flow matching's draws).
     span = expert_range(Path(path).name, boundary) if boundary is not None and \
         Path(path) != root else None
-    if span is not None and args.get("stage", "fm") == "fm":
+    if span is not None and stage_of(args).timestep_range_refusal is None:
         found["train_timestep_range"] = span
     return {key: value for key, value in found.items() if key not in explicit}
 

@@ -150,8 +150,8 @@ def read_export_source(path: str | os.PathLike, weights: str = "auto") -> Export
     """The checkpoint `path` means, its run's arguments and model config, and the weights
     `weights` picks (auto: EMA when the checkpoint has it). Raises InferenceError."""
     from trainer.checkpoint.layout import read_complete
-    from trainer.evaluation.inference import (INFERENCE_MEMBER, InferenceError, _checkpoint_args,
-                                              resolve_checkpoint_dir)
+    from trainer.evaluation.inference import (InferenceError, _checkpoint_args,
+                                              inference_member, resolve_checkpoint_dir)
     from trainer.models.registry import FamilyError, model_config
 
     checkpoint = resolve_checkpoint_dir(path)
@@ -170,7 +170,7 @@ def read_export_source(path: str | os.PathLike, weights: str = "auto") -> Export
             config = model_config(args)
         except (ValueError, FamilyError) as exc:
             raise InferenceError(f"cannot rebuild the model config of {checkpoint}: {exc}") from None
-    member = INFERENCE_MEMBER.get(args.get("stage", "fm")) if weights == "live" else None
+    member = inference_member(args, checkpoint) if weights == "live" else None
     return ExportSource(checkpoint=checkpoint, args=args, weights=weights, member=member,
                         model_config=dict(config))
 
@@ -403,16 +403,17 @@ def _sampling_settings(spec: DiffusersExport, source: ExportSource) -> dict[str,
     config = source.model_config
     if all(config.get(key) is None for key in spec.sampling_keys):
         return None
-    from trainer.diffusion.sampling import sampler_settings, sampling_shift
+    from trainer.stages.registry import DEFAULT_STAGE, sampling_plan
     from trainer.stages.rollout import inference_sigmas
 
     args = source.args
-    steps, guidance = sampler_settings(args)
-    shift = float(sampling_shift(args))
+    plan = sampling_plan(args)
+    steps, guidance = plan.steps, plan.guidance
+    shift = float(plan.shift)
     sigmas = inference_sigmas(steps, shift)
     return {
         "format": SAMPLING_FORMAT, "version": 1,
-        "model_family": args.get("model_family"), "stage": args.get("stage", "fm"),
+        "model_family": args.get("model_family"), "stage": args.get("stage", DEFAULT_STAGE),
         "checkpoint": str(source.checkpoint), "weights": source.weights,
         **{key: config.get(key) for key in sorted(spec.sampling_keys)},
         "sampler": "causal KV-cache rollout: chunk after chunk, each denoised at every step "
@@ -547,12 +548,13 @@ def _origin(args) -> tuple[Path | None, str | None, str]:
 
 
 def _start_path(args) -> str | None:
-    """The weights a run started from: pretrained_transformer_path (when loaded), or a Stage2
-    run's student_init_path (the Stage1 run, which started from SFT, which started from the
-    pipeline directory)."""
-    if args.get("stage") == "dmd_sgf":
-        return args.get("student_init_path")
-    return args.get("pretrained_transformer_path") if args.get("load_transformer_weights") else None
+    """The weights a run's own model started from, the key its stage declares first:
+    pretrained_transformer_path (when loaded), or a Stage2 run's student_init_path (the Stage1
+    run, which started from SFT, which started from the pipeline directory)."""
+    from trainer.source_model import model_source_key
+
+    key = model_source_key(args)
+    return args.get(key) if key else None
 
 
 def _pipeline_root(path: Path) -> Path | None:

@@ -22,10 +22,6 @@ from trainer.config.schema import ResolvedArgs
 from trainer.models.lora_targets import lora_enabled
 
 
-# The role that `relay sample` / `relay eval` sample from, for stages with several roles.
-INFERENCE_MEMBER = {"dmd_sgf": "student"}
-
-
 class InferenceError(Exception):
     """A checkpoint or request that cannot be sampled; the message says what to fix."""
 
@@ -79,6 +75,19 @@ def _check_family(checkpoint: Path, args: ResolvedArgs) -> None:
         raise InferenceError(f"cannot rebuild the model of {checkpoint}: {exc}") from None
 
 
+def inference_member(args: ResolvedArgs, checkpoint: Path) -> str | None:
+    """The checkpoint member whose live weights are sampled, for a stage with several roles
+    (its declaration's `inference_member`); None for a stage of one model. Raises
+    InferenceError when the run's stage cannot be found here (a plug-in off the path)."""
+    from trainer.config.schema import ConfigError
+    from trainer.stages.registry import stage_of
+
+    try:
+        return stage_of(args).inference_member
+    except ConfigError as exc:
+        raise InferenceError(f"cannot sample {checkpoint}: {exc}") from None
+
+
 def _members(checkpoint: Path) -> list[str]:
     return list(json.loads((checkpoint / "COMPLETE").read_text()).get("members", []))
 
@@ -99,7 +108,7 @@ def load_model_for_inference(path: str | Path, weights: str = "auto",
     _check_family(checkpoint, args)
     model = build_model(args, torch.device(device))
     # Multi-role checkpoints keep the sampled model's live weights under its role name.
-    member = INFERENCE_MEMBER.get(args.get("stage", "fm")) if weights == "live" else None
+    member = inference_member(args, checkpoint) if weights == "live" else None
     try:
         if lora_enabled(args):  # base by reference, adapters from the checkpoint (docs/lora.md)
             from trainer.models.lora import load_lora_checkpoint
@@ -132,12 +141,12 @@ def generate(loaded: LoadedModel, prompts: list[str], *, steps: int | None,
 
     steps / guidance None: the stage's own settings (those its validation uses).
     """
-    from trainer.diffusion.sampling import sampler_for, sampler_settings, sampling_shift
     from trainer.stages.base import autocast_context
+    from trainer.stages.registry import sampling_plan
 
-    default_steps, default_guidance = sampler_settings(loaded.args)
-    steps = default_steps if steps is None else steps
-    guidance = default_guidance if guidance is None else guidance
+    plan = sampling_plan(loaded.args)
+    steps = plan.steps if steps is None else steps
+    guidance = plan.guidance if guidance is None else guidance
     if steps < 1:
         raise InferenceError(f"--steps must be at least 1, got {steps}.")
     device = next(loaded.model.parameters()).device
@@ -145,12 +154,12 @@ def generate(loaded: LoadedModel, prompts: list[str], *, steps: int | None,
     null_text, null_mask = loaded.text_encoder.null_embedding()
     generator = torch.Generator().manual_seed(seed)
     shape = (len(prompts), *loaded.latent_shape)
-    sampler = sampler_for(loaded.args.get("stage", "fm"))
+    sampler = plan.load_sampler()
     # the checkpoint's training compute dtype, as validation samples: bf16 on a GPU by default
     with autocast_context(device, loaded.args.get("dtype", "auto")):
         return sampler(loaded.model, text.to(device), mask.to(device), null_text.to(device),
                        null_mask.to(device), shape=shape, steps=steps, guidance=guidance,
-                       shift=sampling_shift(loaded.args), generator=generator,
+                       shift=plan.shift, generator=generator,
                        first_frame=first_frame)
 
 
@@ -188,12 +197,12 @@ def evaluate_loaded(loaded: LoadedModel, *, steps: int | None, guidance: float |
     """Sample the fixed caption set of the checkpoint's data and score it from the pixels
     (colour and direction; for the benchmark every attribute and fidelity)."""
     from trainer.evaluation.evaluate import evaluation_suite
-    from trainer.diffusion.sampling import sampler_settings
     from trainer.encoders.vae import latents_to_clips
+    from trainer.stages.registry import sampling_plan
 
-    default_steps, default_guidance = sampler_settings(loaded.args)
-    steps = default_steps if steps is None else steps
-    guidance = default_guidance if guidance is None else guidance
+    plan = sampling_plan(loaded.args)
+    steps = plan.steps if steps is None else steps
+    guidance = plan.guidance if guidance is None else guidance
 
     suite_captions, score = evaluation_suite(loaded.args.get("synthetic_generator", "shapes"))
     captions = list(captions or suite_captions)

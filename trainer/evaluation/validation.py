@@ -60,18 +60,19 @@ def run_validation(stage, args, step: int, output_dir: Path, latent_shape,
     """
     from trainer.evaluation.evaluate import summary_scores
     from trainer.evaluation.sample_stats import clip_statistics
-    from trainer.diffusion.sampling import sampler_settings
+    from trainer.stages.registry import sampling_plan
 
     started = time.perf_counter()
     generator = args.get("synthetic_generator", "shapes")
     captions = validation_captions(args.validation_num_captions, generator)
-    steps, guidance = sampler_settings(args)
+    plan = sampling_plan(args)
+    steps, guidance = plan.steps, plan.guidance
     out = output_dir / "samples" / f"step-{step}"
     manifest = {"step": step, "stage": args.stage, "captions": captions, "sampler_steps": steps,
                 "guidance": guidance, "seed": args.validation_seed, "weights": {}}
     # Every set of weights is sampled before anything is decoded: a decode that fails on the
     # main rank must not leave the others waiting in a forward it no longer runs.
-    sampled = list(_sample_each_weights(stage, args, captions, latent_shape, steps, guidance))
+    sampled = list(_sample_each_weights(stage, args, captions, latent_shape, plan))
     if not main:
         return {}
     from trainer.runtime.files import write_json
@@ -100,18 +101,18 @@ def run_validation(stage, args, step: int, output_dir: Path, latent_shape,
     return metrics
 
 
-def _sample_each_weights(stage, args, captions: list[str], latent_shape, steps: int,
-                         guidance: float):
+def _sample_each_weights(stage, args, captions: list[str], latent_shape, plan):
     """(weights name, sampled latents [captions, C, T, H, W]) for each validated set of
-    weights; the model is in eval mode while sampling and back in its mode between yields."""
-    from trainer.diffusion.sampling import sampler_for, sampling_shift
+    weights, with the stage's sampler and settings (`plan`, trainer.stages.declaration's
+    SamplingPlan); the model is in eval mode while sampling and back in its mode between
+    yields."""
     from trainer.stages.base import autocast_context
 
     model = stage.sampling_model()
     device = next(model.parameters()).device
     text, mask = stage.text_encoder.encode(captions)
     null_text, null_mask = stage.text_encoder.null_embedding()
-    sampler = sampler_for(args.stage)
+    sampler = plan.load_sampler()
     for weights, context in _weight_contexts(stage, model, args.validation_weights):
         was_training = model.training
         model.eval()
@@ -121,7 +122,7 @@ def _sample_each_weights(stage, args, captions: list[str], latent_shape, steps: 
             with context, autocast_context(device, args.dtype):
                 latents = sampler(model, text.to(device), mask.to(device), null_text.to(device),
                                   null_mask.to(device), shape=(len(captions), *latent_shape),
-                                  steps=steps, guidance=guidance, shift=sampling_shift(args),
+                                  steps=plan.steps, guidance=plan.guidance, shift=plan.shift,
                                   generator=torch.Generator().manual_seed(args.validation_seed))
         finally:
             model.train(was_training)

@@ -10,7 +10,7 @@ A family is one architecture (relay's DiT, a public model). It has two halves:
 - The module protocol (trainer.models.protocol): the calls the stages make on the built model,
   and what FSDP2 shards, what compiles and where Ulysses attaches.
 
-A stage declares the capabilities it needs (trainer.config.stage_checks.STAGE_CAPABILITIES);
+A stage declares the capabilities it needs (trainer.stages.declaration.StageDeclaration);
 preflight refuses a family that lacks one before a job starts. Families register by name (trainer.models.registry)
 and a run picks one with `model_family`.
 """

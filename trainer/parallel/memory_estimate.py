@@ -71,24 +71,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from trainer.stages.declaration import MemoryRole
+from trainer.stages.registry import get_stage
+
 GIB = 2**30
 ACT_BYTES = 39.0      # saved bytes per token x hidden_size per block, no checkpointing (bf16)
 CKPT_BYTES = 4.0      # kept per token x hidden_size per block under full checkpointing
 ATTENTION_BYTES = 2.0  # selective checkpointing also keeps each block's bf16 attention output
 OVERHEAD_GIB = 2.0    # CUDA context, allocator fragmentation, communication buffers
-
-
-@dataclasses.dataclass(frozen=True)
-class Role:
-    name: str
-    trained: bool
-    ema: bool = False
-
-
-def stage_roles(stage: str, use_ema: bool) -> list[Role]:
-    if stage == "dmd_sgf":
-        return [Role("student", True, use_ema), Role("critic", True), Role("teacher", False)]
-    return [Role("transformer", True, use_ema)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,11 +124,6 @@ class MemoryEstimate:
                           f"{self.peak_term_gib:.2f} + overhead {self.overhead_gib:g})"])
 
 
-def video_copies(stage: str) -> int:
-    """Video streams a stage's trained forward runs per sample (teacher forcing: clean | noisy)."""
-    return 2 if stage in ("tf_anyflow", "dmd_sgf") else 1
-
-
 def pack_tokens_per_rank(budget: int, *, copies: int, cp: int, video_tokens: int,
                          text_tokens: int) -> tuple[int, int, str]:
     """(tokens one cp rank holds for a pack of `budget` joint tokens, caption tokens assumed
@@ -174,7 +159,8 @@ def estimate_memory(family, cfg: dict, *, stage: str, use_muon: bool, use_ema: b
              f"sharded over {shard_group} rank(s)"]
     states = 0.0
     grads, grads_of = 0.0, None  # the largest trained role's gradients, and its name
-    for role in stage_roles(stage, use_ema):
+    declaration = get_stage(stage)
+    for role in declaration.memory_roles(use_ema):
         if lora and role.trained:
             role_gib, role_grads, line = _lora_role(role, p, lora_params, use_muon, shard_group)
         else:
@@ -190,7 +176,7 @@ def estimate_memory(family, cfg: dict, *, stage: str, use_muon: bool, use_ema: b
     working = (2 * 2 + 4) * per_block / GIB if shard_group > 1 else 0.0
     lines.append(f"  FSDP2 working set: (2 blocks x 2 B + 4 B) x {per_block / 1e6:.1f}M = "
                  f"{working:.2f} GiB")
-    copies = video_copies(stage)
+    copies = declaration.video_copies  # teacher forcing runs clean | noisy video
     if pack_budget is not None:
         tokens, caption, split = pack_tokens_per_rank(pack_budget, copies=copies, cp=cp,
                                                       video_tokens=video_tokens,
@@ -233,7 +219,7 @@ def estimate_memory(family, cfg: dict, *, stage: str, use_muon: bool, use_ema: b
     return MemoryEstimate(states, grads, working, acts, OVERHEAD_GIB, tuple(lines), accumulating)
 
 
-def _full_role(role: Role, p: int, muon: int, use_muon: bool,
+def _full_role(role: MemoryRole, p: int, muon: int, use_muon: bool,
                shard_group: int) -> tuple[float, float, str]:
     """(GiB of states without gradients, GiB of gradients, the line saying so) of a role:
     fp32 parameters, and for a trained one the optimizer state (Muon's one momentum for the
@@ -257,7 +243,7 @@ def _full_role(role: Role, p: int, muon: int, use_muon: bool,
     return role_gib, grads, line + f"; gradients 4 B = {grads:.2f} GiB"
 
 
-def _lora_role(role: Role, p: int, adapters: int | None, use_muon: bool,
+def _lora_role(role: MemoryRole, p: int, adapters: int | None, use_muon: bool,
                shard_group: int) -> tuple[float, float, str]:
     """(GiB of states without gradients, GiB of gradients, the line saying so) of a
     LoRA-trained role: the fp32 base, parameters only, and the adapters with their optimizer

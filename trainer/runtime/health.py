@@ -6,13 +6,14 @@ over-saturates, the samples get worse while every number logged looks fine. With
 it answers with a reason to stop when
 - the validation mean score (EMA weights where validated, else live) stays more than
   `health_score_margin` below its best for `health_score_patience` validations in a row, or
-- (Stage1, Stage2) the validation samples stop moving or flood with one colour: their
-  `motion` or `contrast` (trainer.evaluation.sample_stats: from the pixels, on any data) stays
-  below `health_sample_min_ratio` of the highest seen in the run for `health_score_patience`
-  validations in a row. Only the distillation stages are watched: they start from a trained
-  model, while a pretrain's first samples are noise, which moves more than any video;
+- (the stages whose declaration asks for it, `health_watches_samples`: Stage1, Stage2) the
+  validation samples stop moving or flood with one colour: their `motion` or `contrast`
+  (trainer.evaluation.sample_stats: from the pixels, on any data) stays below
+  `health_sample_min_ratio` of the highest seen in the run for `health_score_patience`
+  validations in a row. Only stages that start from a trained model are watched: a
+  pretrain's first samples are noise, which moves more than any video;
 - the critic's FM loss relative to its value when Stage2 started (`critic_loss_rel`, logged
-  by trainer.stages.dmd_sgf) stays above `health_critic_max_ratio` (diverging) or below
+  by Stage2) stays above `health_critic_max_ratio` (diverging) or below
   `health_critic_min_ratio` (it predicts the student's samples almost exactly: they have
   collapsed to something trivial, and the critic has nothing left to learn or to teach) for
   `health_critic_patience` steps in a row.
@@ -27,6 +28,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from trainer.stages.registry import stage_of
 
 
 @dataclass
@@ -92,7 +95,7 @@ class HealthGate:
         self.critic_min_ratio = float(args.health_critic_min_ratio)
         self.critic_patience = int(args.health_critic_patience)
         self.sample_min_ratio = (float(args.health_sample_min_ratio)
-                                 if args.stage in ("tf_anyflow", "dmd_sgf") else 0.0)
+                                 if stage_of(args).health_watches_samples else 0.0)
         self.score = Trend()
         self.critic_over = 0
         self.critic_under = 0
