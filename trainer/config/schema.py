@@ -132,10 +132,16 @@ SECTIONS: dict[str, list[Arg]] = {
             "null: fresh adapters (B = 0, so the model starts as the base).", nullable=True),
     ],
     "training": [
+        # The stages are declared in trainer.stages, whose registry imports this module, so the
+        # schema cannot ask it: the default and the help name relay's own; preflight refuses a
+        # stage the registry cannot find.
         Arg("stage", "str", "fm",
             "Training objective: fm = flow matching (pretrain, SFT); tf_anyflow = Stage1 causal "
             "teacher forcing + AnyFlow flow-map loss; dmd_sgf = Stage2 DMD via SGF (student, "
-            "teacher, critic).", choices=("fm", "tf_anyflow", "dmd_sgf")),
+            "teacher, critic); or a stage outside relay's package named by its declaration as "
+            "`package.module:Class` (or `package.module:NAME` of a declaration object; the "
+            "module is imported from the directory relay runs in or PYTHONPATH: docs/layout.md, "
+            "\"Adding a stage\")."),
         Arg("max_steps", "int", 1000, "Optimizer steps to train for."),
         Arg("learning_rate", "float", 1e-4, "Peak learning rate of AdamW."),
         Arg("weight_decay", "float", 0.0, "Decoupled weight decay (AdamW and Muon)."),

@@ -1,0 +1,160 @@
+"""Stages as plug-ins: a stage defined outside relay's package (tests/plugin_stages/toy_stage.py,
+its torch half tests/plugin_stages/toy_x0.py) is named in the YAML by its declaration's import
+string and trains through train.py (checkpoint, resume, validation with its sampler) and the
+kernel warm-up, with no product file changed; an unknown stage is refused before anything
+starts; nothing outside trainer/stages/ names one of relay's stages."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from trainer.stages.registry import stage_names
+
+ROOT = Path(__file__).resolve().parents[1]
+TOY = "plugin_stages.toy_stage:TOY"
+TINY_MODEL = {"in_channels": 3, "hidden_size": 32, "num_attention_heads": 2, "num_layers": 2,
+              "mlp_ratio": 2.0, "patch_size": [2, 4, 4], "rope_axes_dim": [4, 6, 6],
+              "text_dim": 32, "qk_norm": True}
+
+
+def _env() -> dict[str, str]:
+    """A child's environment with tests/ on PYTHONPATH (where `plugin_stages` lives)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_JOB_ID", "WANDB_API_KEY"):
+        env.pop(key, None)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _config(tmp_path: Path, stage: str = TOY, **training) -> Path:
+    config = {
+        "model": {"transformer_config_overrides": TINY_MODEL},
+        "training": {"stage": stage, "max_steps": 6, "learning_rate": 1e-3, "warmup_steps": 1,
+                     "train_batch_size": 4, "seed": 0, **training},
+        "data": {"data_path": str(tmp_path / "data"), "synthetic_data": True,
+                 "synthetic_num_samples": 32, "synthetic_num_frames": 4,
+                 "synthetic_height": 16, "synthetic_width": 16},
+        "tasks": {"cfg_drop_prob": 0.1},
+        "output": {"output_dir": str(tmp_path / "run"), "save_interval": 3,
+                   "log_interval": 1},
+        "validation": {"validation_interval": -1},
+    }
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "toy.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _train(config: Path, *argv: str, timeout: float = 300,
+           program: str = "trainer/train.py") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, program, "--config", str(config), *argv],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_stage_declared_outside_relay_trains_checkpoints_and_resumes(tmp_path):
+    straight = _config(tmp_path / "straight")
+    # Validated at the end, with the sampler the toy's declaration plans.
+    proc = _train(straight, "--validation_interval", "0", "--validation_num_captions", "2",
+                  "--validation_steps", "2")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    records = _records(tmp_path / "straight" / "run")
+    assert [r["step"] for r in records] == list(range(1, 7))
+    assert any(key.startswith("val/") for key in records[-1])
+    # The toy's own loss ran: it logs its uniform draws' mean, which flow matching does not.
+    assert all("toy_sigma_mean" in r for r in records)
+    losses = [r["loss"] for r in records]
+    assert all(l == l for l in losses) and len(set(losses)) > 1
+    saved = json.loads((tmp_path / "straight" / "run" / "resolved-config.json").read_text())
+    assert saved["stage"] == TOY
+
+    # The same run stopped at step 3 and resumed from its checkpoint ends where it did.
+    split = _config(tmp_path / "split")
+    proc = _train(split, "--max_steps", "3")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert (tmp_path / "split" / "run" / "checkpoint-3" / "COMPLETE").is_file()
+    proc = _train(split)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "checkpoint-3" in proc.stdout + proc.stderr
+    resumed = _records(tmp_path / "split" / "run")
+    assert [r["step"] for r in resumed] == list(range(1, 7))
+    assert [r["loss"] for r in resumed] == losses
+
+
+def test_the_kernel_warm_up_runs_the_loss_the_stage_declares(tmp_path):
+    proc = _train(_config(tmp_path), timeout=300, program="trainer/warmup.py")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["status"] == "ok" and report["stage"] == TOY
+    assert report["loss"] == report["loss"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_login_side_checks_a_plugin_stage_without_torch(tmp_path):
+    code = (f"import sys\nfrom trainer.config.args import resolve_config\n"
+            f"args = resolve_config({str(_config(tmp_path))!r})\n"
+            f"print('STAGE', args.stage, 'TORCH', 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"STAGE {TOY} TORCH False" in proc.stdout
+
+
+def test_the_stages_own_check_refuses_at_dry_run(tmp_path):
+    proc = _train(_config(tmp_path, loss_weighting="gaussian"), "--dry-run", timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"stage {TOY} weighs every noise level alike: set loss_weighting: none" in proc.stderr
+
+
+def test_an_unknown_stage_is_refused_with_the_known_ones_and_the_plugin_form(tmp_path):
+    proc = _train(_config(tmp_path, stage="fmm"), "--dry-run", timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert ("stage 'fmm' is not a known stage. Did you mean 'fm'? Known: dmd_sgf, fm, "
+            "tf_anyflow; a stage outside relay is named by its declaration as "
+            "package.module:Class") in proc.stderr
+    proc = _train(_config(tmp_path, stage="plugin_stages.no_such_stage:TOY"), "--dry-run",
+                  timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert ("stage 'plugin_stages.no_such_stage:TOY': cannot import "
+            "plugin_stages.no_such_stage") in proc.stderr
+    proc = _train(_config(tmp_path, stage="plugin_stages.toy_stage:ToyX0Stage"), "--dry-run",
+                  timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "module plugin_stages.toy_stage has no attribute 'ToyX0Stage'" in proc.stderr
+
+
+def test_no_product_file_names_the_toy_stage():
+    found = subprocess.run(["git", "grep", "-l", "-e", "toy_stage", "-e", "toy_x0", "-e",
+                            "plugin_stages", "--", "trainer", "launcher", "config", "scripts"],
+                           cwd=ROOT, capture_output=True, text=True)
+    assert found.stdout == ""
+
+
+# The schema is imported by the stage registry, so it cannot ask it: its `stage` default and
+# help (and train_timestep_range's help) name relay's stages in words.
+NAMES_A_STAGE_FOR_ITS_USER = {"trainer/config/schema.py"}
+
+
+def test_nothing_outside_the_stages_package_names_a_stage():
+    word = re.compile(r"\b(" + "|".join(map(re.escape, stage_names())) + r")\b")
+    offenders = []
+    for package in ("trainer", "launcher"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel.startswith("trainer/stages/") or rel in NAMES_A_STAGE_FOR_ITS_USER:
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if word.search(line):
+                    offenders.append(f"{rel}:{number}: {line.strip()}")
+    assert not offenders, "ask trainer.stages.registry instead:\n" + "\n".join(offenders)
