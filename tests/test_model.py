@@ -525,7 +525,7 @@ def test_per_frame_modulation_is_never_copied_per_token():
 
 
 def test_rope_rotates_pairs_like_complex_multiplication():
-    from trainer.models.dit.module import apply_rope, rope_tables
+    from trainer.models.common.rope import apply_rope, rope_tables
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 5, 3, 8, generator=g, dtype=torch.float64)

@@ -212,3 +212,22 @@ class ModelFamily(ABC):
 
     def missing_capabilities(self, needed) -> list[str]:
         return [c for c in needed if c not in self.capabilities]
+
+
+class RelayCausalFamily(ModelFamily):
+    """A family whose config carries relay's causal and two-time keys (`causal_chunk_size`,
+    `attn_window_chunks`, `two_time`, `time_gate`), as relay's DiT and its wan family do: the
+    teacher/critic config they imply and how a user sets them."""
+
+    def bidirectional_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        return {**config, "causal_chunk_size": None, "attn_window_chunks": None,
+                "two_time": False}
+
+    def setting_hint(self, what: str) -> str:
+        return {
+            "causal": "set `causal_chunk_size` (latent frames per chunk, e.g. 2) in "
+                      "transformer_config_overrides",
+            "two_time": "set `two_time: true` in transformer_config_overrides",
+            "single_time": "set `two_time: false` in transformer_config_overrides",
+            "time_gate": "set `time_gate` in transformer_config_overrides",
+        }.get(what, super().setting_hint(what))

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from trainer.models.dit.module import apply_rope
+from trainer.models.common.rope import apply_rope
 
 
 def _kernels():

@@ -10,10 +10,10 @@ import math
 from typing import Any
 
 from trainer.models.dit.config import MODEL_CONFIG_DEFAULTS, TIME_FREQ_DIM, DiTConfig, dit_geometry
-from trainer.models.family import Geometry, ModelFamily, ParamCounts
+from trainer.models.family import Geometry, ParamCounts, RelayCausalFamily
 
 
-class DiTFamily(ModelFamily):
+class DiTFamily(RelayCausalFamily):
     """`model_family: dit` (the default): the joint text/video DiT with per-block adaLN."""
 
     name = "dit"
@@ -103,19 +103,6 @@ class DiTFamily(ModelFamily):
                  + _linear(1, TIME_FREQ_DIM, d) + _linear(1, d, d) + _linear(1, d, 2 * d)
                  + _linear(n, d, out_channels * patch))
         return config["num_layers"] * per_block - last_block_text_saving + embed
-
-    def bidirectional_config(self, config: dict[str, Any]) -> dict[str, Any]:
-        return {**config, "causal_chunk_size": None, "attn_window_chunks": None,
-                "two_time": False}
-
-    def setting_hint(self, what: str) -> str:
-        return {
-            "causal": "set `causal_chunk_size` (latent frames per chunk, e.g. 2) in "
-                      "transformer_config_overrides",
-            "two_time": "set `two_time: true` in transformer_config_overrides",
-            "single_time": "set `two_time: false` in transformer_config_overrides",
-            "time_gate": "set `time_gate` in transformer_config_overrides",
-        }.get(what, super().setting_hint(what))
 
     def build(self, config: dict[str, Any]):
         from trainer.models.dit.module import VideoDiT

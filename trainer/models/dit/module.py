@@ -28,8 +28,8 @@ attention. trainer/models/attention.py routes each call to its kernel.
 Modes: bidirectional (`causal_chunk_size=None`, or `forward(..., causal=False)`), block-causal
 over chunks of `causal_chunk_size` latent frames (optionally a sliding window of
 `attn_window_chunks` earlier chunks), teacher forcing (`forward_teacher_forcing`), and a KV
-cache for chunk-by-chunk rollout (`new_kv_cache`, `forward_chunk`, `commit_chunk`). See
-docs/model.md.
+cache for chunk-by-chunk rollout (`new_kv_cache`, `forward_chunk`, `commit_chunk`); the last
+two are trainer.models.common.causal's, over this module's hooks. See docs/model.md.
 
 Timesteps are raw (N * sigma, 0..1000). A timestep is per sample [B] or per latent frame
 [B, T]; per-frame times are embedded per patch-frame (the first latent frame of each). The
@@ -46,36 +46,27 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer.models.attention import (AttentionPlan, ChunkLayout, attend, block_causal_mask,
-                               plan_attention, plan_packed, teacher_forcing_mask)
+from trainer.models.attention import AttentionPlan, ChunkLayout, attend, plan_attention, plan_packed
+from trainer.models.common.causal import CausalForms, KVCache, PackedKVCache
+from trainer.models.common.compiling import apply_compile_settings
+from trainer.models.common.inputs import check_text, check_video
+from trainer.models.common.norms import HeadRMSNorm
+from trainer.models.common.rope import apply_rope, grid_positions, rope_tables
+from trainer.models.common.time import conditioning, mix_two_times, timestep_features
 from trainer.models.dit.config import TIME_FREQ_DIM, DiTConfig, dit_geometry
 
-__all__ = ["KVCache", "PackedKVCache", "VideoDiT", "timestep_features"]
-
+__all__ = ["VideoDiT", "compile_transformer_blocks"]
 
 
 # --------------------------------------------------------------------------------------------
 # building blocks
-
-
-def timestep_features(t: torch.Tensor, dim: int = TIME_FREQ_DIM) -> torch.Tensor:
-    """Sinusoidal features [..., dim] (cos half, then sin half) of raw timesteps t [...].
-
-    Computed in float64 for float64 input and float32 otherwise: raw times up to 1000 lose
-    their low bits in bf16.
-    """
-    work = torch.float64 if t.dtype == torch.float64 else torch.float32
-    half = dim // 2
-    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device, dtype=work) / half)
-    args = t.to(work)[..., None] * freqs
-    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 
 class TimestepEmbedder(nn.Module):
@@ -87,55 +78,8 @@ class TimestepEmbedder(nn.Module):
         self.linear_2 = nn.Linear(hidden_size, hidden_size)
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        feats = timestep_features(t).to(self.linear_1.weight.dtype)
+        feats = timestep_features(t, TIME_FREQ_DIM).to(self.linear_1.weight.dtype)
         return self.linear_2(F.silu(self.linear_1(feats)))
-
-
-def rope_tables(positions: torch.Tensor, axes_dim: tuple[int, int, int], theta: float,
-                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [N, head_dim / 2] of the rotation angles for grid positions [N, 3].
-
-    Each axis (frame, row, col) owns axes_dim[a] channels of the head, i.e. axes_dim[a] / 2
-    rotation pairs. Angles are computed in float64 (frame indices times small frequencies),
-    then the tables are cast to `dtype`.
-    """
-    angles = []
-    for axis, dim in enumerate(axes_dim):
-        if dim == 0:
-            continue
-        inv_freq = theta ** (-torch.arange(0, dim, 2, device=positions.device, dtype=torch.float64) / dim)
-        angles.append(positions[:, axis, None].to(torch.float64) * inv_freq)
-    angle = torch.cat(angles, dim=-1)
-    return torch.cos(angle).to(dtype), torch.sin(angle).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates consecutive channel pairs of x [B, N, heads, head_dim] by per-token angles.
-
-    In float32, or float64 for float64 input; returns x's dtype. cos, sin: [N, head_dim / 2].
-    Real arithmetic on GPUs and under torch.compile (Inductor generates no code for complex
-    tensors); one complex multiply in eager CPU code, where the strided real form is several
-    times slower (the embedded default trains on CPUs).
-    """
-    work = torch.float64 if x.dtype == torch.float64 else torch.float32
-    c, s = cos[:, None].to(work), sin[:, None].to(work)
-    pairs = x.to(work).unflatten(-1, (-1, 2))
-    if x.is_cuda or torch.compiler.is_compiling():
-        even, odd = pairs.unbind(-1)
-        rotated = torch.stack([even * c - odd * s, even * s + odd * c], dim=-1)
-    else:
-        rotated = torch.view_as_real(torch.view_as_complex(pairs.contiguous()) * torch.complex(c, s))
-    return rotated.flatten(-2).to(x.dtype)
-
-
-def grid_positions(num_frames: int, rows: int, cols: int, frame_start: int,
-                   device: torch.device | None = None) -> torch.Tensor:
-    """(frame, row, col) of each token of a frame-major patch grid: long [F * rows * cols, 3]."""
-    f = torch.arange(frame_start, frame_start + num_frames, device=device)
-    r = torch.arange(rows, device=device)
-    c = torch.arange(cols, device=device)
-    grid = torch.stack(torch.meshgrid(f, r, c, indexing="ij"), dim=-1)
-    return grid.reshape(-1, 3)
 
 
 class InputDtypeLayerNorm(nn.LayerNorm):
@@ -150,17 +94,6 @@ class InputDtypeLayerNorm(nn.LayerNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x).to(x.dtype)
-
-
-class HeadRMSNorm(nn.RMSNorm):
-    """RMSNorm whose weight is cast to the input's dtype (q/k norm under bf16 autocast).
-
-    With a float32 weight and bf16 input torch falls back from the fused kernel to a composite
-    one ("Mismatch dtype between input and weight"). Same parameter, so checkpoints load.
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
 
 
 def _by_group(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -310,69 +243,6 @@ def _pad_last_caption(texts: list[torch.Tensor], text_masks: list[torch.Tensor],
             [*text_masks[:-1], torch.cat([last_mask, last_mask.new_zeros(pad)])])
 
 
-# --------------------------------------------------------------------------------------------
-# KV cache
-
-
-@dataclass
-class KVCache:
-    """Keys/values a causal rollout reuses: the caption's, and those of committed chunks.
-
-    text_kv[layer] = (k, v) [B, L, heads, head_dim] (under context parallel: this rank's head
-    group over the whole caption, padded to a multiple of cp_size, and the chunks' K/V over the
-    whole chunk); text_lengths: int [B] real caption tokens, or None when no caption is
-    padded; chunks[i][layer] = (k, v) of the i-th kept committed chunk (oldest first,
-    detached, RoPE applied at absolute positions); next_frame is the latent frame where the
-    next chunk starts. Built by VideoDiT.new_kv_cache.
-    """
-
-    text_kv: list[tuple[torch.Tensor, torch.Tensor]]
-    text_lengths: torch.Tensor | None
-    chunks: list[list[tuple[torch.Tensor, torch.Tensor]]]
-    next_frame: int = 0
-
-    def prefix(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [B, committed tokens + L, heads, head_dim] a new chunk attends to
-        besides itself: committed chunks, then the caption (last, so its padding is a length)."""
-        ks = [c[layer][0] for c in self.chunks] + [self.text_kv[layer][0]]
-        vs = [c[layer][1] for c in self.chunks] + [self.text_kv[layer][1]]
-        return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
-
-
-@dataclass
-class PackedKVCache:
-    """A rollout cache over a pack of samples of different shapes (trainer.data.packing):
-    per sample i, text_kv[i][layer] = (k, v) [1, L_i, heads, head_dim] of its caption,
-    text_used[i] bool [L_i] its real caption tokens, chunks[i] its kept committed chunks
-    ([layer] = (k, v) [1, n, heads, head_dim], detached, RoPE at absolute positions) and
-    next_frame[i] where its next chunk starts. A sample's chunks attend only to their own
-    sample's keys. Under context parallel `heads` is this rank's head group, and the last
-    caption holds its masked padding (the captions split evenly over the group). Built by
-    VideoDiT.new_packed_kv_cache.
-    """
-
-    text_kv: list[list[tuple[torch.Tensor, torch.Tensor]]]
-    text_used: list[torch.Tensor]
-    chunks: list[list[list[tuple[torch.Tensor, torch.Tensor]]]]
-    next_frame: list[int]
-
-    def prefix(self, samples: list[int], layer: int):
-        """(k, v) [1, P, heads, head_dim] the chunks of `samples` attend to besides themselves
-        (each sample's committed chunks, then its caption), with the sample of every key and
-        whether it is used (caption padding is not): long [P], bool [P]."""
-        ks, vs, ids, used = [], [], [], []
-        for i in samples:
-            pieces = [c[layer] for c in self.chunks[i]] + [self.text_kv[i][layer]]
-            ks += [k for k, _ in pieces]
-            vs += [v for _, v in pieces]
-            committed = sum(k.shape[1] for k, _ in pieces[:-1])
-            device = pieces[-1][0].device
-            ids.append(torch.full((committed + len(self.text_used[i]),), i, device=device))
-            used += [torch.ones(committed, dtype=torch.bool, device=device),
-                     self.text_used[i].to(device)]
-        return torch.cat(ks, dim=1), torch.cat(vs, dim=1), torch.cat(ids), torch.cat(used)
-
-
 def text_lengths_of(text_mask: torch.Tensor | None) -> torch.Tensor | None:
     """Real caption tokens per sample, long [B], from a bool [B, L] mask; None if none is padded.
 
@@ -397,8 +267,9 @@ def text_lengths_of(text_mask: torch.Tensor | None) -> torch.Tensor | None:
 # the model
 
 
-class VideoDiT(nn.Module):
-    """Video DiT; keyword arguments are the fields of DiTConfig (see its defaults).
+class VideoDiT(CausalForms, nn.Module):
+    """Video DiT; keyword arguments are the fields of DiTConfig (see its defaults). Teacher
+    forcing and the KV-cache rollout come from trainer.models.common.causal.CausalForms.
 
     Raises ValueError for an unknown argument (naming the closest valid one) or an invalid value.
     """
@@ -497,15 +368,21 @@ class VideoDiT(nn.Module):
 
     # ---- shapes and inputs -----------------------------------------------------------------
 
+    @property
+    def patch_size(self) -> tuple[int, int, int]:
+        return self.cfg.patch_size
+
+    def _chunking(self) -> tuple[int | None, int | None]:
+        return self.cfg.causal_chunk_size, self.cfg.attn_window_chunks
+
+    def _has_second_time(self) -> bool:
+        return self.r_embedder is not None
+
     def _check_video(self, x: torch.Tensor, name: str) -> tuple[int, int, int, int]:
-        cfg = self.cfg
-        if x.ndim != 5 or x.shape[1] != cfg.in_channels:
-            raise ValueError(f"{name} must be [B, {cfg.in_channels}, T, H, W], got {list(x.shape)}")
-        b, _, t, h, w = x.shape
-        for size, patch, axis in zip((t, h, w), cfg.patch_size, "THW"):
-            if size % patch:
-                raise ValueError(f"{name}: {axis}={size} is not a multiple of the patch size {patch}")
-        return b, t, h, w
+        return check_video(x, self.cfg.in_channels, self.cfg.patch_size, name)
+
+    def _check_text(self, text: torch.Tensor, text_mask: torch.Tensor | None, batch: int) -> None:
+        check_text(text, text_mask, batch, self.cfg.text_dim)
 
     def _patchify(self, x: torch.Tensor) -> torch.Tensor:
         b, c, t, h, w = x.shape
@@ -521,50 +398,16 @@ class VideoDiT(nn.Module):
         x = tokens.reshape(b, t // pt, h // ph, w // pw, c, pt, ph, pw)
         return x.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(b, c, t, h, w)
 
-    def _frame_times(self, value: Any, batch: int, frames: int, name: str, device) -> torch.Tensor:
-        """Times per patch-frame: [B, 1] for per-sample input, [B, T / pt] for per-frame input.
-
-        Per-frame times equal across a sample's frames (flow matching without clean frames)
-        come back as [B, 1], so the blocks take the per-sample modulation path.
-        """
-        t = torch.as_tensor(value, device=device)
-        if t.ndim == 0:
-            t = t.expand(batch)
-        if t.ndim == 1 and t.shape[0] == batch:
-            return t[:, None]
-        if t.ndim == 2 and tuple(t.shape) == (batch, frames):
-            t = t[:, :: self.cfg.patch_size[0]]
-            return t[:, :1] if bool((t == t[:, :1]).all()) else t
-        raise ValueError(f"{name} must be a scalar, [B]={[batch]} or [B, T]={[batch, frames]}, "
-                         f"got {list(t.shape)}")
-
     def _embed_time(self, t: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
         e = self.time_embedder(t)
         if self.r_embedder is None:
             return e
-        e_r = self.r_embedder(t if r is None else r)
-        # e + g (e_r - e) rather than (1 - g) e + g e_r: identical in exact arithmetic, and exactly
-        # E_t(t) in floating point when E_r = E_t and r = t (or when g = 0)
-        return e + self.time_gate.to(e.dtype) * (e_r - e)
+        return mix_two_times(e, self.r_embedder(t if r is None else r), self.time_gate)
 
     def _conditioning(self, t: Any, r: Any, batch: int, frames: int, device) -> torch.Tensor:
         """Conditioning per patch-frame slot: [B, 1, D] or [B, T / pt, D]."""
-        if r is not None and self.r_embedder is None:
-            raise ValueError("r was given but the model is single-time: build it with "
-                             "two_time: true for a second time input")
-        t_f = self._frame_times(t, batch, frames, "t", device)
-        r_f = None if r is None else self._frame_times(r, batch, frames, "r", device)
-        if r_f is not None and r_f.shape[1] != t_f.shape[1]:
-            width = max(t_f.shape[1], r_f.shape[1])
-            t_f, r_f = t_f.expand(batch, width), r_f.expand(batch, width)
-        return self._embed_time(t_f, r_f)
-
-    def _check_text(self, text: torch.Tensor, text_mask: torch.Tensor | None, batch: int) -> None:
-        if text.ndim != 3 or text.shape[0] != batch or text.shape[2] != self.cfg.text_dim:
-            raise ValueError(f"text must be [B={batch}, L, {self.cfg.text_dim}], got {list(text.shape)}")
-        if text_mask is not None and (text_mask.dtype != torch.bool or text_mask.shape != text.shape[:2]):
-            raise ValueError(f"text_mask must be bool [B, L]={list(text.shape[:2])}, "
-                             f"got {text_mask.dtype} {list(text_mask.shape)}")
+        return conditioning(self._embed_time, self.r_embedder is not None, t, r, batch, frames,
+                            self.cfg.patch_size[0], device)
 
     # ---- attention plans -------------------------------------------------------------------
 
@@ -635,12 +478,6 @@ class VideoDiT(nn.Module):
         out = self.head(self.final_norm(x) * (1 + scale) + shift).flatten(1, 2)
         return (out if self.ulysses is None else self.ulysses.gather(out)), collected
 
-    def _chunk_frames(self) -> int:
-        """Chunk size in patch-frames; raises ValueError when the model has no chunks."""
-        if self.cfg.causal_chunk_size is None:
-            raise ValueError("this needs a causal model: set causal_chunk_size in the model config")
-        return self.cfg.causal_chunk_size // self.cfg.patch_size[0]
-
     def _with_text(self, text: torch.Tensor, text_mask: torch.Tensor | None) -> Caption:
         """The caption [B, L, text_dim] ready for the blocks of a forward that runs it.
 
@@ -669,23 +506,25 @@ class VideoDiT(nn.Module):
         """
         b, frames, h, w = self._check_video(x, "x")
         self._check_text(text, text_mask, b)
-        pt, ph, pw = self.cfg.patch_size
-        grid = (frames // pt, h // ph, w // pw)
-        tokens_per_frame = grid[1] * grid[2]
+        grid = self._grid(frames, h, w)
         if causal is None:
             causal = self.cfg.causal_chunk_size is not None
-        caption = self._with_text(text, text_mask)
-        layout = None
-        if causal:
-            layout = ChunkLayout("block_causal", grid[0], tokens_per_frame, self._chunk_frames(),
-                                 self.cfg.attn_window_chunks, caption.length)
         cond = self._conditioning(t, r, b, frames, x.device)
-        vid = self._patchify(x)
-        n = vid.shape[1]
-        plan = self._video_plan(n, n + caption.length, caption.length, caption.lengths, x.device,
-                                layout)
-        out, _ = self._run(vid, cond, None, grid_positions(*grid, 0, x.device), plan, caption)
+        out = self._run_captioned(self._patchify(x), cond, None, grid_positions(*grid, 0, x.device),
+                                  text, text_mask, "block_causal" if causal else None, grid)
         return self._unpatchify(out, frames, h, w)
+
+    def _run_captioned(self, vid, cond, slots, positions, text, text_mask, kind, grid):
+        """The blocks and the head over video tokens [B, N, D] with their caption run alongside
+        (CausalForms' hook): video attention over [video | caption] under the chunk rule `kind`
+        (None: bidirectional)."""
+        caption = self._with_text(text, text_mask)
+        layout = self._chunk_layout(kind, grid, caption.length)
+        n = vid.shape[1]
+        plan = self._video_plan(n, n + caption.length, caption.length, caption.lengths, vid.device,
+                                layout)
+        out, _ = self._run(vid, cond, slots, positions, plan, caption)
+        return out
 
     def forward_packed(self, xs: list[torch.Tensor], ts: list[Any], texts: list[torch.Tensor],
                        text_masks: list[torch.Tensor], causal: bool | None = None) -> list[torch.Tensor]:
@@ -703,11 +542,7 @@ class VideoDiT(nn.Module):
         layout = pack_layout(xs, texts, self.cfg.patch_size)
         if causal is None:
             causal = self.cfg.causal_chunk_size is not None
-        within = None
-        if causal:
-            chunk = self._chunk_frames()
-            within = [block_causal_mask(f, r * c, chunk, self.cfg.attn_window_chunks)
-                      for f, r, c in layout.grids]
+        within = self._within("block_causal", layout.grids) if causal else None
         conds, slots = [], []
         for x, t, (frames, rows, cols) in zip(xs, ts, layout.grids):
             cond = self._conditioning(torch.as_tensor(t, device=x.device)[None], None, 1,
@@ -718,45 +553,6 @@ class VideoDiT(nn.Module):
         vid = torch.cat([self._patchify(x[None]) for x in xs], dim=1)
         pieces = self._run_pack(vid, conds, slots, layout, texts, text_masks, within)
         return [self._unpatchify(p, *x.shape[1:])[0] for p, x in zip(pieces, xs)]
-
-    def forward_teacher_forcing_packed(self, noisys: list[torch.Tensor], cleans: list[torch.Tensor],
-                                       ts: list[Any], texts: list[torch.Tensor],
-                                       text_masks: list[torch.Tensor],
-                                       rs: list[Any] | None = None) -> list[torch.Tensor]:
-        """Teacher forcing (forward_teacher_forcing) over a pack of samples of different shapes:
-        the noisy-half predictions [C_out, T_i, H_i, W_i], each equal to that sample run alone.
-
-        noisys, cleans: latents [C, T_i, H_i, W_i] (pairwise equal shapes); ts, rs: each
-        sample's raw times (scalar or [T_i]; rs None = ts); texts, text_masks as forward_packed.
-        Raises ValueError for a non-causal model or mismatched shapes.
-        """
-        from trainer.data.packing import pack_layout
-
-        chunk = self._chunk_frames()
-        for noisy, clean in zip(noisys, cleans):
-            if clean.shape != noisy.shape:
-                raise ValueError(f"clean {list(clean.shape)} and noisy {list(noisy.shape)} must match")
-        layout = pack_layout(noisys, texts, self.cfg.patch_size, copies=2)
-        within = [teacher_forcing_mask(f, r * c, chunk, self.cfg.attn_window_chunks)
-                  for f, r, c in layout.grids]
-        rs = [None] * len(noisys) if rs is None else rs
-        zero = torch.zeros(1, 1, device=noisys[0].device)
-        cond_clean = self._embed_time(zero, None if self.r_embedder is None else zero)
-        conds, slots = [], []
-        for x, t, r, (frames, rows, cols) in zip(noisys, ts, rs, layout.grids):
-            r = None if r is None else torch.as_tensor(r, device=x.device)[None]
-            cond = self._conditioning(torch.as_tensor(t, device=x.device)[None], r, 1,
-                                      x.shape[1], x.device)
-            # slot 0: the clean copy at t = 0; noisy tokens slot 1 (per sample) or 1 + frame
-            per_frame = torch.arange(frames, device=x.device).repeat_interleave(rows * cols)
-            noisy_slot = 1 + (per_frame if cond.shape[1] > 1 else per_frame * 0)
-            slots.append(torch.cat([torch.zeros_like(per_frame), noisy_slot]))
-            conds.append(torch.cat([cond_clean, cond], dim=1))
-        vid = torch.cat([torch.cat([self._patchify(c[None]), self._patchify(n[None])], dim=1)
-                         for c, n in zip(cleans, noisys)], dim=1)
-        pieces = self._run_pack(vid, conds, slots, layout, texts, text_masks, within)
-        return [self._unpatchify(p[:, p.shape[1] // 2:], *x.shape[1:])[0]
-                for p, x in zip(pieces, noisys)]
 
     def _run_pack(self, vid, conds, slots, layout, texts, text_masks, within):
         """The blocks over a pack's video tokens vid [1, N, D]: conds[i] [1, S_i, D] are sample
@@ -779,18 +575,6 @@ class VideoDiT(nn.Module):
         # One modulation slot per token (runs of one token): samples' token counts differ.
         out, _ = self._run(vid, torch.cat(conds, dim=1), slots, positions, video_plan, caption)
         return out[:, :sum(layout.video_lens)].split(layout.video_lens, dim=1)
-
-    def _pad_to_split(self, vid, positions, slots):
-        """A pack's video tokens [1, N, D], their RoPE positions [N, 3] and per-token slots [N],
-        padded under context parallel with zero tokens to a multiple of cp_size, so that they
-        split evenly: (vid, positions, slots, padding). The caller makes the padding a sequence
-        of its own, attending only to itself, and drops its outputs."""
-        pad = 0 if self.ulysses is None else self.ulysses.padding(vid.shape[1])
-        if not pad:
-            return vid, positions, slots, 0
-        return (torch.cat([vid, vid.new_zeros(1, pad, vid.shape[2])], dim=1),
-                torch.cat([positions, positions.new_zeros(pad, 3)]),
-                torch.cat([slots, slots.new_zeros(pad)]), pad)
 
     def _packed_plans(self, layout, text_masks: list[torch.Tensor], captions: int, padding: int,
                       within: list[torch.Tensor] | None):
@@ -817,55 +601,11 @@ class VideoDiT(nn.Module):
             text_plan = AttentionPlan("sdpa", None, layout.text_mask(text_masks))
         return video_plan, text_plan
 
-    def forward_teacher_forcing(self, noisy: torch.Tensor, clean: torch.Tensor, t: Any, text: torch.Tensor,
-                                text_mask: torch.Tensor | None = None, r: Any = None,
-                                return_clean: bool = False):
-        """Teacher-forcing forward over [clean | noisy] video and the caption (docs/algorithms.md, "Causal teacher forcing").
+    # ---- the rollout cache (CausalForms' hooks) -------------------------------------------
 
-        Noisy chunk i sees its own noisy chunk and clean chunks before i (within the window);
-        the clean half runs at t = 0 (and r = 0) with the same RoPE positions as the noisy half.
-        Returns the noisy-half prediction [B, C_out, T, H, W], or (noisy, clean) predictions when
-        return_clean. Raises ValueError for a non-causal model or mismatched shapes.
-        """
-        chunk = self._chunk_frames()
-        b, frames, h, w = self._check_video(noisy, "noisy")
-        if clean.shape != noisy.shape:
-            raise ValueError(f"clean {list(clean.shape)} and noisy {list(noisy.shape)} must match")
-        self._check_text(text, text_mask, b)
-        pt, ph, pw = self.cfg.patch_size
-        grid = (frames // pt, h // ph, w // pw)
-        tokens_per_frame = grid[1] * grid[2]
-        cond_noisy = self._conditioning(t, r, b, frames, noisy.device)
-        zero = torch.zeros(b, 1, device=noisy.device)
-        cond_clean = self._embed_time(zero, None if self.r_embedder is None else zero)
-        cond = torch.cat([cond_clean, cond_noisy], dim=1)
-        slots = None  # per-sample noisy time: two runs, clean (slot 0) and noisy (slot 1)
-        if cond_noisy.shape[1] > 1:  # per frame: every clean frame slot 0, noisy frame f slot 1 + f
-            slots = torch.cat([torch.zeros(grid[0], dtype=torch.long),
-                               torch.arange(1, grid[0] + 1)]).to(noisy.device)
-        positions = grid_positions(*grid, 0, noisy.device)
-        vid = torch.cat([self._patchify(clean), self._patchify(noisy)], dim=1)
-        caption = self._with_text(text, text_mask)
-        layout = ChunkLayout("teacher_forcing", grid[0], tokens_per_frame, chunk,
-                             self.cfg.attn_window_chunks, caption.length)
-        n = vid.shape[1]
-        plan = self._video_plan(n, n + caption.length, caption.length, caption.lengths,
-                                noisy.device, layout)
-        out, _ = self._run(vid, cond, slots, torch.cat([positions, positions]), plan, caption)
-        n_video = n // 2
-        noisy_pred = self._unpatchify(out[:, n_video:], frames, h, w)
-        if return_clean:
-            return noisy_pred, self._unpatchify(out[:, :n_video], frames, h, w)
-        return noisy_pred
-
-    def new_kv_cache(self, text: torch.Tensor, text_mask: torch.Tensor | None = None) -> KVCache:
-        """An empty rollout cache holding the caption's per-layer K/V.
-
-        Computed in the caller's grad mode (wrap in torch.no_grad() for a detached cache).
-        Raises ValueError for a non-causal model or a malformed text / text_mask.
-        """
-        self._chunk_frames()
-        self._check_text(text, text_mask, text.shape[0])
+    def _caption_kv(self, text: torch.Tensor, text_mask: torch.Tensor | None):
+        """The caption's per-layer text (k, v) a rollout's chunks attend to, and its real
+        tokens per sample (None: none padded)."""
         caption = self._with_text(text, text_mask)
         txt, text_kv = caption.tokens, []
         for i, block in enumerate(self.blocks):
@@ -874,83 +614,25 @@ class VideoDiT(nn.Module):
             txt = out.txt
             # Under context parallel these are this rank's heads only (forward_text).
             text_kv.append(out.text_kv)
-        return KVCache(text_kv=text_kv, text_lengths=caption.lengths, chunks=[])
+        return text_kv, caption.lengths
 
-    def _check_chunk(self, x: torch.Tensor, cache: KVCache, frame_start: int, name: str):
-        chunk_latent = self.cfg.causal_chunk_size
-        self._chunk_frames()
-        b, frames, h, w = self._check_video(x, name)
-        if b != cache.text_kv[0][0].shape[0]:
-            raise ValueError(f"{name} has batch {b} but the cache was built for "
-                             f"{cache.text_kv[0][0].shape[0]}")
-        if frames > chunk_latent:
-            raise ValueError(f"{name} has {frames} latent frames; a chunk has at most {chunk_latent}")
-        if frame_start != cache.next_frame or frame_start % chunk_latent:
-            raise ValueError(
-                f"frame_start={frame_start}, but the cache's next chunk starts at latent frame "
-                f"{cache.next_frame} (chunks start at multiples of {chunk_latent}; after a short "
-                "last chunk the rollout is complete)"
-            )
-        return b, frames, h, w
-
-    def _run_chunk(self, x, t, r, cache: KVCache, frame_start: int, collect_kv: bool):
-        b, frames, h, w = self._check_chunk(x, cache, frame_start, "x_chunk")
-        pt, ph, pw = self.cfg.patch_size
-        grid = (frames // pt, h // ph, w // pw)
-        cond = self._conditioning(t, r, b, frames, x.device)
+    def _run_cached(self, vid, cond, positions, cache: KVCache, collect_kv: bool):
+        """The blocks and the head over a chunk's video tokens, attending to themselves and the
+        cache's prefix (committed chunks, then the caption)."""
         prefix = [cache.prefix(i) for i in range(len(self.blocks))]
-        vid = self._patchify(x)
         n, length = vid.shape[1], cache.text_kv[0][0].shape[1]
-        plan = self._video_plan(n, n + prefix[0][0].shape[1], length, cache.text_lengths, x.device)
-        positions = grid_positions(*grid, frame_start // pt, x.device)
-        out, kv = self._run(vid, cond, None, positions, plan, past=prefix, collect_kv=collect_kv)
-        return self._unpatchify(out, frames, h, w), kv
+        plan = self._video_plan(n, n + prefix[0][0].shape[1], length, cache.text_lengths, vid.device)
+        return self._run(vid, cond, None, positions, plan, past=prefix, collect_kv=collect_kv)
 
-    def forward_chunk(self, x_chunk: torch.Tensor, t_chunk: Any, cache: KVCache, frame_start: int,
-                      r_chunk: Any = None) -> torch.Tensor:
-        """Prediction [B, C_out, Tc, H, W] for the next chunk, reading (never changing) the cache.
-
-        The chunk attends to itself, the committed chunks in the window and the caption, with
-        RoPE at absolute frame frame_start. t_chunk, r_chunk: scalar, [B] or [B, Tc].
-        Raises ValueError unless frame_start is where the cache's next chunk starts and the
-        chunk is at most causal_chunk_size frames.
-        """
-        out, _ = self._run_chunk(x_chunk, t_chunk, r_chunk, cache, frame_start, collect_kv=False)
-        return out
-
-    @torch.no_grad()
-    def commit_chunk(self, x_chunk_clean: torch.Tensor, cache: KVCache, frame_start: int) -> None:
-        """Runs the clean chunk at t = 0 (and r = 0) and appends its detached K/V to the cache.
-
-        Evicts chunks that fell out of the attention window and advances cache.next_frame.
-        Raises ValueError like forward_chunk.
-        """
-        b = x_chunk_clean.shape[0]
-        zero = torch.zeros(b, device=x_chunk_clean.device)
-        _, kv = self._run_chunk(x_chunk_clean, zero, None if self.r_embedder is None else zero, cache,
-                                frame_start, collect_kv=True)
-        cache.chunks.append(kv)
-        window = self.cfg.attn_window_chunks
-        if window is not None:
-            del cache.chunks[: max(0, len(cache.chunks) - window)]
-        cache.next_frame = frame_start + x_chunk_clean.shape[2]
-
-
-    # ---- the rollout cache over a pack (Stage2 on packs) ---------------------------------
-
-    def new_packed_kv_cache(self, texts: list[torch.Tensor],
-                            text_masks: list[torch.Tensor]) -> PackedKVCache:
-        """An empty rollout cache over a pack: each caption [L_i, text_dim] (bool mask [L_i])
-        run once through the blocks' text stream, every caption seeing only itself, in one
-        call (so every rank of a sharded model runs the same forwards whatever its pack).
-        Computed in the caller's grad mode. Raises ValueError for a non-causal model.
+    def _packed_caption_kv(self, texts: list[torch.Tensor], text_masks: list[torch.Tensor]):
+        """A pack's captions run once through the blocks' text stream, every caption seeing
+        only itself: (per-sample per-layer (k, v), per-sample real tokens).
 
         Under context parallel the captions split as forward_packed's do (the last one padded
         with masked tokens to a multiple of cp_size, token j on cp rank j % cp_size), and the
         cache keeps this rank's heads of every caption's keys and values."""
         from trainer.data.packing import PackLayout
 
-        self._chunk_frames()
         text_pad = 0 if self.ulysses is None else self.ulysses.padding(
             sum(int(t.shape[0]) for t in texts))
         if text_pad:
@@ -969,42 +651,13 @@ class VideoDiT(nn.Module):
             txt = out.txt
             for sample, k, v in zip(per_sample, *(x.split(lengths, dim=1) for x in out.text_kv)):
                 sample.append((k, v))
-        return PackedKVCache(per_sample, list(text_masks), [[] for _ in texts], [0] * len(texts))
+        return per_sample, list(text_masks)
 
-    def _run_chunk_packed(self, xs, ts, rs, cache: PackedKVCache, samples: list[int],
-                          collect_kv: bool):
-        """The next chunk [C, Tc_i, H_i, W_i] of each sample in `samples` (each at its own
-        cache.next_frame), as one pack: (predictions, per-sample per-layer (k, v) or None)."""
-        if len(xs) != len(samples) or len(ts) != len(samples):
-            raise ValueError(f"{len(samples)} samples but {len(xs)} chunks and {len(ts)} times")
-        chunk_latent = self.cfg.causal_chunk_size
-        pt, ph, pw = self.cfg.patch_size
-        conds, slots, positions, vids, lens, grids = [], [], [], [], [], []
-        for x, t, r, i in zip(xs, ts, rs, samples):
-            _, frames, h, w = self._check_video(x[None], "x_chunk")
-            start = cache.next_frame[i]
-            if frames > chunk_latent or start % chunk_latent:
-                raise ValueError(f"sample {i}: a chunk of {frames} latent frames at frame {start}; "
-                                 f"chunks hold at most {chunk_latent} and start at its multiples")
-            grid = (frames // pt, h // ph, w // pw)
-            r = None if r is None else torch.as_tensor(r, device=x.device)[None]
-            cond = self._conditioning(torch.as_tensor(t, device=x.device)[None], r, 1, frames,
-                                      x.device)
-            # One slot per token, after the slots of the samples before (as forward_packed).
-            per_frame = torch.arange(grid[0], device=x.device).repeat_interleave(grid[1] * grid[2])
-            offset = sum(c.shape[1] for c in conds)
-            slots.append(offset + (per_frame if cond.shape[1] > 1 else 0 * per_frame))
-            conds.append(cond)
-            positions.append(grid_positions(*grid, start // pt, x.device))
-            vids.append(self._patchify(x[None]))
-            lens.append(grid[0] * grid[1] * grid[2])
-            grids.append((frames, h, w))
-        vid, positions, slots, pad = self._pad_to_split(torch.cat(vids, dim=1),
-                                                        torch.cat(positions), torch.cat(slots))
-        # Padding (context parallel) is a sequence of its own: one past the pack's samples.
-        query_ids = torch.repeat_interleave(
-            torch.tensor([*samples, len(cache.next_frame)], device=vid.device),
-            torch.tensor([*lens, pad], device=vid.device))
+    def _run_cached_pack(self, vid, cond, slots, positions, query_ids, padding: int,
+                         cache: PackedKVCache, samples: list[int], collect_kv: bool):
+        """The blocks and the head over the next chunks of a pack's samples, each attending to
+        itself and its own sample's prefix in the cache (query_ids: each token's sample, the
+        padding one past the pack's)."""
         prefix = [cache.prefix(samples, layer) for layer in range(len(self.blocks))]
         _, _, key_ids, used = prefix[0]
         key_ids = torch.cat([query_ids, key_ids])
@@ -1014,67 +667,20 @@ class VideoDiT(nn.Module):
         if plan is None:  # SDPA: each query sees its own sample's used keys
             mask = (query_ids[:, None] == key_ids[None, :]) & used[None, :]
             plan = AttentionPlan("sdpa", None, mask[None, None])
-        out, kv = self._run(vid, torch.cat(conds, dim=1), slots, positions, plan,
-                            past=[(k, v) for k, v, _, _ in prefix], collect_kv=collect_kv)
-        real = sum(lens)  # the tokens before the padding
-        preds = [self._unpatchify(o, *g)[0]
-                 for o, g in zip(out[:, :real].split(lens, dim=1), grids)]
-        if not collect_kv:
-            return preds, None
-        # Under context parallel these are this rank's heads of every token (head space).
-        split = [[(k, v) for k, v in zip(*(x[:, :real].split(lens, dim=1) for x in layer_kv))]
-                 for layer_kv in kv]  # [layer][sample]
-        return preds, [[layer[j] for layer in split] for j in range(len(samples))]
-
-    def forward_chunk_packed(self, xs: list[torch.Tensor], ts: list[Any], cache: PackedKVCache,
-                             samples: list[int], rs: list[Any] | None = None) -> list[torch.Tensor]:
-        """Predictions [C_out, Tc_i, H_i, W_i] for the next chunk of each sample in `samples`
-        (indices into the cache's pack), reading (never changing) the cache: each equals
-        forward_chunk on that sample alone with its own cache. ts, rs: raw times per sample
-        (scalar or [Tc_i]). Raises ValueError for mismatched lists or a chunk that is not the
-        sample's next."""
-        rs = [None] * len(xs) if rs is None else rs
-        return self._run_chunk_packed(xs, ts, rs, cache, samples, collect_kv=False)[0]
-
-    @torch.no_grad()
-    def commit_chunk_packed(self, xs: list[torch.Tensor], cache: PackedKVCache,
-                            samples: list[int]) -> None:
-        """commit_chunk for each sample in `samples`, as one pack: its clean chunk run at t = 0
-        (and r = 0), its detached K/V appended to its cache, the window applied per sample."""
-        zeros = [torch.zeros((), device=x.device) for x in xs]
-        rs = [None if self.r_embedder is None else z for z in zeros]
-        _, kv = self._run_chunk_packed(xs, zeros, rs, cache, samples, collect_kv=True)
-        window = self.cfg.attn_window_chunks
-        for i, x, sample_kv in zip(samples, xs, kv):
-            cache.chunks[i].append(sample_kv)
-            if window is not None:
-                del cache.chunks[i][: max(0, len(cache.chunks[i]) - window)]
-            cache.next_frame[i] += x.shape[1]
-
-ACTIVATION_MEMORY_BUDGET = 0.93  # of compiled blocks; see compile_transformer_blocks
+        return self._run(vid, cond, slots, positions, plan,
+                         past=[(k, v) for k, v, _, _ in prefix], collect_kv=collect_kv)
 
 
 def compile_transformer_blocks(model: torch.nn.Module) -> torch.nn.Module:
     """torch.compile each transformer block's two streams in place; returns the same model.
 
     Training must compile through this same function when compile_transformer is set: the
-    Inductor/Triton cache keys include the traced graphs and the Inductor config, so a warm-up
-    that compiled differently would warm nothing. Blocks share their compiled graphs (the
-    module is an input, not a constant), so a deep model compiles three graphs, not three per
-    layer.
+    Inductor/Triton cache keys include the traced graphs and the Inductor config
+    (trainer.models.common.compiling), so a warm-up that compiled differently would warm
+    nothing. Blocks share their compiled graphs (the module is an input, not a constant), so a
+    deep model compiles three graphs, not three per layer.
     """
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
-    # A known pitfall: torch 2.11's Inductor computed wrong gradients for
-    # per-block adaLN tables with this reduction fusion on (pytorch#193061). Off for both the
-    # warm-up and training, so their cache keys agree.
-    if hasattr(inductor_config.triton, "mix_order_reduction"):
-        inductor_config.triton.mix_order_reduction = False
-    # The partitioner keeps 93% of the activations it would save by default and recomputes the
-    # cheapest rest in the backward pass: at the Wan-1.3B size on an H200 the step's peak fell
-    # from 93.5 to 67.3 GiB at the same step time (docs/performance.md).
-    functorch_config.activation_memory_budget = ACTIVATION_MEMORY_BUDGET
+    apply_compile_settings()
     for block in model.blocks:
         block.forward_text = torch.compile(block.forward_text)
         block.forward_video = torch.compile(block.forward_video)

@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from trainer.models.backends import ATTENTION_BACKENDS
-from trainer.models.family import (ConfigDirError, Geometry, ModelFamily, ParamCounts,
+from trainer.models.family import (ConfigDirError, Geometry, ParamCounts, RelayCausalFamily,
                                    StateDictAdapter)
 from trainer.models.wan.config import (DIFFUSERS_CLASS, QK_NORM, RELAY_KEYS, SECOND_TIME_PREFIX,
                                       WAN_DEFAULTS, rope_axes, wan_geometry)
 from trainer.models.wan.linears import WAN_LORA_TARGETS, wan_linear_shapes
 
 
-class WanFamily(ModelFamily):
+class WanFamily(RelayCausalFamily):
     """`model_family: wan`: Wan's DiT with cross-attention to the caption, a time projection
     shared by all blocks and a (6, D) scale/shift/gate table per block."""
 
@@ -241,19 +241,6 @@ class WanFamily(ModelFamily):
         if config.get("two_time"):
             embed += _linear(1, config["freq_dim"], d) + _linear(1, d, d)
         return config["num_layers"] * (self_attention + cross_attention + ffn) + embed
-
-    def bidirectional_config(self, config: dict[str, Any]) -> dict[str, Any]:
-        return {**config, "causal_chunk_size": None, "attn_window_chunks": None,
-                "two_time": False}
-
-    def setting_hint(self, what: str) -> str:
-        return {
-            "causal": "set `causal_chunk_size` (latent frames per chunk, e.g. 2) in "
-                      "transformer_config_overrides",
-            "two_time": "set `two_time: true` in transformer_config_overrides",
-            "single_time": "set `two_time: false` in transformer_config_overrides",
-            "time_gate": "set `time_gate` in transformer_config_overrides",
-        }.get(what, super().setting_hint(what))
 
     def state_dict_adapter(self, layout: str) -> StateDictAdapter:
         if layout == "relay":

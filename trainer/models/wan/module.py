@@ -32,7 +32,7 @@ Beyond diffusers' model (docs/model.md, "The wan family"):
 - a second time input (`two_time`): `condition_embedder.time_embedder_r`, mixed as the DiT's,
   e(t, r) = e_t + time_gate (e_r - e_t), feeding every place temb fed;
 - the causal form (`causal_chunk_size`): block-causal self-attention, teacher forcing and the
-  KV-cache rollout (trainer.models.wan.causal);
+  KV-cache rollout (trainer.models.common.causal, shared with the DiT);
 - Ulysses context parallel: the video tokens split over the cp group, self-attention in head
   space; the caption is small and every rank projects it whole, so cross-attention needs no
   exchange (each rank's queries attend to the whole caption with every head).
@@ -48,14 +48,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer.models.attention import AttentionPlan, ChunkLayout, attend, block_causal_mask, \
-    plan_attention, plan_packed
-from trainer.models.dit.module import (HeadRMSNorm, grid_positions, rope_tables,
-                                       timestep_features)
+from trainer.models.attention import AttentionPlan, ChunkLayout, attend, plan_attention, plan_packed
+from trainer.models.common.causal import CausalForms, KVCache, PackedKVCache
+from trainer.models.common.compiling import apply_compile_settings
+from trainer.models.common.inputs import check_text, check_video
+from trainer.models.common.norms import HeadRMSNorm
+from trainer.models.common.rope import grid_positions, rope_tables
+from trainer.models.common.time import conditioning, mix_two_times, timestep_features
 from trainer.models.fused_ops import composite_layer_norm_modulate, composite_norm_rope, \
     fused_kernels_apply, layer_norm_modulate, norm_rope
 from trainer.models.matmul_bias import MatmulBiasLinear
-from trainer.models.wan.causal import WanCausal
 from trainer.models.wan.config import WAN_DEFAULTS, rope_axes, wan_geometry
 
 __all__ = ["WanTransformer", "WanBlock"]
@@ -261,8 +263,9 @@ class ConditionEmbedder(nn.Module):
         self.time_embedder_r: TimestepEmbedding | None = None
 
 
-class WanTransformer(WanCausal, nn.Module):
-    """relay's Wan transformer for a complete `wan` config (trainer.models.wan.family)."""
+class WanTransformer(CausalForms, nn.Module):
+    """relay's Wan transformer for a complete `wan` config (trainer.models.wan.family). Teacher
+    forcing and the KV-cache rollout come from trainer.models.common.causal.CausalForms."""
 
     def __init__(self, config: dict[str, Any]):
         super().__init__()
@@ -306,15 +309,8 @@ class WanTransformer(WanCausal, nn.Module):
 
     def compile_blocks(self) -> None:
         """torch.compile each block in place, with the Inductor settings relay's DiT compiles
-        with (trainer.models.dit.module.compile_transformer_blocks)."""
-        import torch._functorch.config as functorch_config
-        import torch._inductor.config as inductor_config
-
-        from trainer.models.dit.module import ACTIVATION_MEMORY_BUDGET
-
-        if hasattr(inductor_config.triton, "mix_order_reduction"):
-            inductor_config.triton.mix_order_reduction = False
-        functorch_config.activation_memory_budget = ACTIVATION_MEMORY_BUDGET
+        with (trainer.models.common.compiling)."""
+        apply_compile_settings()
         for block in self.blocks:
             block.forward = torch.compile(block.forward)
 
@@ -353,18 +349,11 @@ class WanTransformer(WanCausal, nn.Module):
 
     # ---- inputs ------------------------------------------------------------------------------
 
-    def _frame_times(self, t: Any, batch: int, frames: int, name: str, device) -> torch.Tensor:
-        """Times per patch-frame: [B, 1] per sample, [B, T / pt] per frame (all equal: [B, 1])."""
-        t = torch.as_tensor(t, device=device)
-        if t.ndim == 0:
-            t = t.expand(batch)
-        if t.ndim == 1 and t.shape[0] == batch:
-            return t[:, None]
-        if t.ndim == 2 and tuple(t.shape) == (batch, frames):
-            t = t[:, :: self.patch_size[0]]
-            return t[:, :1] if bool((t == t[:, :1]).all()) else t
-        raise ValueError(f"{name} must be a scalar, [B]={[batch]} or [B, T]={[batch, frames]}, "
-                         f"got {list(t.shape)}")
+    def _chunking(self) -> tuple[int | None, int | None]:
+        return self._config["causal_chunk_size"], self._config["attn_window_chunks"]
+
+    def _has_second_time(self) -> bool:
+        return self.condition_embedder.time_embedder_r is not None
 
     def _embed_time(self, t: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
         """temb [..., D] of raw times t [...] (and r, two-time: e_t + gate (e_r - e_t), exactly
@@ -378,38 +367,19 @@ class WanTransformer(WanCausal, nn.Module):
         e = embed(embedder.time_embedder, t)
         if embedder.time_embedder_r is None:
             return e
-        e_r = embed(embedder.time_embedder_r, t if r is None else r)
-        return e + self.time_gate.to(e.dtype) * (e_r - e)
+        return mix_two_times(e, embed(embedder.time_embedder_r, t if r is None else r),
+                             self.time_gate)
 
     def _conditioning(self, t: Any, r: Any, batch: int, frames: int, device) -> torch.Tensor:
         """temb per patch-frame slot: [B, 1, D] or [B, T / pt, D]."""
-        if r is not None and self.condition_embedder.time_embedder_r is None:
-            raise ValueError("r was given but the model is single-time: build it with "
-                             "two_time: true for a second time input")
-        t_f = self._frame_times(t, batch, frames, "t", device)
-        r_f = None if r is None else self._frame_times(r, batch, frames, "r", device)
-        if r_f is not None and r_f.shape[1] != t_f.shape[1]:
-            width = max(t_f.shape[1], r_f.shape[1])
-            t_f, r_f = t_f.expand(batch, width), r_f.expand(batch, width)
-        return self._embed_time(t_f, r_f)
+        return conditioning(self._embed_time, self._has_second_time(), t, r, batch, frames,
+                            self.patch_size[0], device)
 
     def _check_video(self, x: torch.Tensor, name: str = "x") -> tuple[int, int, int, int]:
-        c = self._config
-        if x.ndim != 5 or x.shape[1] != c["in_channels"]:
-            raise ValueError(f"{name} must be [B, {c['in_channels']}, T, H, W], got {list(x.shape)}")
-        for size, patch, axis in zip(x.shape[2:], self.patch_size, "THW"):
-            if size % patch:
-                raise ValueError(f"{name}: {axis}={size} is not a multiple of the patch size {patch}")
-        return x.shape[0], x.shape[2], x.shape[3], x.shape[4]
+        return check_video(x, self._config["in_channels"], self.patch_size, name)
 
     def _check_text(self, text: torch.Tensor, text_mask: torch.Tensor | None, batch: int) -> None:
-        c = self._config
-        if text.ndim != 3 or text.shape[0] != batch or text.shape[2] != c["text_dim"]:
-            raise ValueError(f"text must be [B={batch}, L, {c['text_dim']}], got {list(text.shape)}")
-        if text_mask is not None and (text_mask.dtype != torch.bool
-                                      or text_mask.shape != text.shape[:2]):
-            raise ValueError(f"text_mask must be bool [B, L]={list(text.shape[:2])}, "
-                             f"got {text_mask.dtype} {list(text_mask.shape)}")
+        check_text(text, text_mask, batch, self._config["text_dim"])
 
     def _context(self, text: torch.Tensor, text_mask: torch.Tensor | None) -> torch.Tensor:
         """The embedded caption [..., L, D], its padding (text_mask False) zeroed first."""
@@ -426,16 +396,6 @@ class WanTransformer(WanCausal, nn.Module):
         out = out.reshape(b, frames // pt, height // ph, width // pw, pt, ph, pw, self.out_channels)
         return out.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(b, self.out_channels, frames, height,
                                                             width)
-
-    def _grid(self, frames: int, height: int, width: int) -> tuple[int, int, int]:
-        pt, ph, pw = self.patch_size
-        return frames // pt, height // ph, width // pw
-
-    def _chunk_frames(self) -> int:
-        """Chunk size in patch-frames; raises ValueError when the model has no chunks."""
-        if self._config["causal_chunk_size"] is None:
-            raise ValueError("this needs a causal model: set causal_chunk_size in the wan config")
-        return self._config["causal_chunk_size"] // self.patch_size[0]
 
     # ---- attention plans ---------------------------------------------------------------------
 
@@ -505,17 +465,6 @@ class WanTransformer(WanCausal, nn.Module):
         out = self.proj_out(_modulated_norm(self.norm_out, tokens, scale, shift))
         return (out if self.ulysses is None else self.ulysses.gather(out)), collected
 
-    def _pad_to_split(self, tokens, positions, slots):
-        """A pack's tokens [1, N, D], RoPE positions [N, 3] and per-token slots [N], padded
-        under context parallel with zero tokens to a multiple of cp_size: (tokens, positions,
-        slots, padding). The padding is a sequence of its own in self-attention."""
-        pad = 0 if self.ulysses is None else self.ulysses.padding(tokens.shape[1])
-        if not pad:
-            return tokens, positions, slots, 0
-        return (torch.cat([tokens, tokens.new_zeros(1, pad, tokens.shape[2])], dim=1),
-                torch.cat([positions, positions.new_zeros(pad, 3)]),
-                torch.cat([slots, slots.new_zeros(pad)]), pad)
-
     def _cross_queries(self, query_ids: torch.Tensor, padding: int, last: int) -> torch.Tensor:
         """The sample of each cross-attention query this rank runs: the pack's padding attends
         to sample `last`'s caption (its output is dropped)."""
@@ -538,19 +487,22 @@ class WanTransformer(WanCausal, nn.Module):
         grid = self._grid(frames, height, width)
         if causal is None:
             causal = self._config["causal_chunk_size"] is not None
-        layout = None
-        if causal:
-            layout = ChunkLayout("block_causal", grid[0], grid[1] * grid[2], self._chunk_frames(),
-                                 self._config["attn_window_chunks"], 0)
         temb = self._conditioning(t, r, b, frames, x.device)
-        context = self._context(text, text_mask)
-        tokens = self._patchify(x)
-        n = tokens.shape[1]
-        out, _ = self._run(tokens, temb, None, grid_positions(*grid, 0, x.device),
-                           self._plan(n, n, x.device, layout),
-                           self._plan(self._local(n), context.shape[1], x.device),
-                           context=context)
+        out = self._run_captioned(self._patchify(x), temb, None, grid_positions(*grid, 0, x.device),
+                                  text, text_mask, "block_causal" if causal else None, grid)
         return self._unpatchify(out, frames, height, width)
+
+    def _run_captioned(self, tokens, temb, slots, positions, text, text_mask, kind, grid):
+        """The blocks and the head over video tokens [B, N, D] and their caption
+        (CausalForms' hook): self-attention under the chunk rule `kind` (None: bidirectional),
+        cross-attention to the caption."""
+        layout = self._chunk_layout(kind, grid, 0)
+        context = self._context(text, text_mask)
+        n = tokens.shape[1]
+        out, _ = self._run(tokens, temb, slots, positions, self._plan(n, n, tokens.device, layout),
+                           self._plan(self._local(n), context.shape[1], tokens.device),
+                           context=context)
+        return out
 
     def forward_packed(self, xs: list[torch.Tensor], ts: list[Any], texts: list[torch.Tensor],
                        text_masks: list[torch.Tensor], causal: bool | None = None
@@ -565,11 +517,7 @@ class WanTransformer(WanCausal, nn.Module):
         layout = pack_layout(xs, texts, self.patch_size)
         if causal is None:
             causal = self._config["causal_chunk_size"] is not None
-        within = None
-        if causal:
-            chunk = self._chunk_frames()
-            within = [block_causal_mask(f, r * c, chunk, self._config["attn_window_chunks"])
-                      for f, r, c in layout.grids]
+        within = self._within("block_causal", layout.grids) if causal else None
         conds, slots = [], []
         for x, t, (frames, rows, cols) in zip(xs, ts, layout.grids):
             conds.append(self._conditioning(torch.as_tensor(t, device=x.device)[None], None, 1,
@@ -605,3 +553,61 @@ class WanTransformer(WanCausal, nn.Module):
         out, _ = self._run(tokens, torch.cat(conds, dim=1), slots, positions, self_plan,
                            cross_plan, context=context)
         return out[:, :sum(layout.video_lens)].split(layout.video_lens, dim=1)
+
+    # ---- the rollout cache (CausalForms' hooks) ---------------------------------------------
+
+    def _block_caption_kv(self, context: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each block's cross-attention (k, v) of an embedded caption [B, L, D] (through the
+        block's forward, so FSDP2 gathers its weights)."""
+        return [block(None, context=context).cross_kv for block in self.blocks]
+
+    def _caption_kv(self, text: torch.Tensor, text_mask: torch.Tensor | None):
+        """The caption's per-layer cross-attention (k, v); every position is a key (padding is
+        zeroed), so no lengths."""
+        return self._block_caption_kv(self._context(text, text_mask)), None
+
+    def _run_cached(self, tokens, temb, positions, cache: KVCache, collect_kv: bool):
+        """The blocks and the head over a chunk's tokens: self-attention over [the chunk |
+        committed chunks], cross-attention to the cached caption."""
+        past = [cache.past(i) for i in range(len(self.blocks))]
+        n = tokens.shape[1]
+        committed = 0 if past[0] is None else past[0][0].shape[1]
+        return self._run(tokens, temb, None, positions, self._plan(n, n + committed, tokens.device),
+                         self._plan(self._local(n), cache.text_kv[0][0].shape[1], tokens.device),
+                         cross_kv=cache.text_kv, past=past, collect_kv=collect_kv)
+
+    def _packed_caption_kv(self, texts: list[torch.Tensor], text_masks: list[torch.Tensor]):
+        """A pack's captions projected in one call per block (every rank of a sharded model runs
+        the same forwards whatever its pack), their per-layer cross-attention K/V kept per
+        sample; every caption position is a key."""
+        lengths = [int(t.shape[0]) for t in texts]
+        context = self._context(torch.cat(texts)[None], torch.cat(text_masks)[None])
+        per_layer = [[(k, v) for k, v in zip(k_all.split(lengths, dim=1), v_all.split(lengths, dim=1))]
+                     for k_all, v_all in self._block_caption_kv(context)]
+        return [[layer[i] for layer in per_layer] for i in range(len(texts))], None
+
+    def _run_cached_pack(self, tokens, temb, slots, positions, query_ids, padding: int,
+                         cache: PackedKVCache, samples: list[int], collect_kv: bool):
+        """The blocks and the head over the next chunks of a pack's samples: each sample's
+        self-attention over its own chunk and committed chunks, its cross-attention to its own
+        cached caption (query_ids: each token's sample, the padding one past the pack's)."""
+        device = tokens.device
+        past, past_ids = [], []
+        for layer in range(len(self.blocks)):
+            pieces = [c[layer] for i in samples for c in cache.chunks[i]]
+            past.append(None if not pieces else (torch.cat([k for k, _ in pieces], dim=1),
+                                                 torch.cat([v for _, v in pieces], dim=1)))
+        for i in samples:
+            committed = sum(c[0][0].shape[1] for c in cache.chunks[i])
+            past_ids.append(torch.full((committed,), i, device=device))
+        self_plan = self._packed_plan(query_ids, torch.cat([query_ids, *past_ids]))
+        cross_ids = torch.cat([torch.full((cache.text_kv[i][0][0].shape[1],), i, device=device)
+                               for i in samples])
+        real_ids = query_ids[:query_ids.shape[0] - padding]
+        cross_plan = self._packed_plan(self._cross_queries(real_ids, padding, samples[-1]),
+                                       cross_ids)
+        cross_kv = [(torch.cat([cache.text_kv[i][layer][0] for i in samples], dim=1),
+                     torch.cat([cache.text_kv[i][layer][1] for i in samples], dim=1))
+                    for layer in range(len(self.blocks))]
+        return self._run(tokens, temb, slots, positions, self_plan, cross_plan,
+                         cross_kv=cross_kv, past=past, collect_kv=collect_kv)
