@@ -90,7 +90,7 @@ def plan(pipeline_path: str, tflops: float = TFLOPS, pass_floor_s: float = PASS_
     generates first (a data_path no earlier stage wrote), its validations, and in all the
     evaluation. Torch-free."""
     from launcher.pipeline import load_pipeline_yaml
-    from trainer.config.args import resolve_config
+    from trainer.resolve import resolve_config
 
     spec = load_pipeline_yaml(pipeline_path)
     stages, total, generated = [], EVALUATION_S / 60, set()
@@ -205,7 +205,8 @@ def evaluate_stage(stage_dir: Path, steps_list, *, captions: int, seed: int, dev
     """One row per step count: scores, function evaluations and wall time per clip."""
     import torch
 
-    from trainer.evaluation.evaluate import evaluation_suite, latents_to_frames, summary_scores
+    from trainer.encoders.vae import latents_to_frames
+    from trainer.evaluation.evaluate import evaluation_suite, summary_scores
     from trainer.evaluation.inference import generate, load_model_for_inference
     from trainer.stages.registry import sampling_plan
 

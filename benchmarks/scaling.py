@@ -14,7 +14,7 @@ upper bound of the overhead, not a scaling curve.
 
 GPU part (not written yet; needs the device tool): memory and step time at the Wan-1.3B size
 with no / selective / full checkpointing, compiled and not, beside
-trainer.parallel.memory_estimate's figure.
+trainer.checks.memory's figure.
 """
 
 from __future__ import annotations

@@ -33,8 +33,8 @@ def profile_stage(train_argv: list[str], *, warmup: int, steps: int,
     """The report of train.py's stage for `train_argv`: build and warm-up times, step times,
     and per profiled step (benchmarks.step.profile_step) its kernels and host operators."""
     from benchmarks.step import profile_step, synchronize
-    from trainer.build import build_stage
-    from trainer.config.args import resolve_args
+    from trainer.stages.registry import build_stage
+    from trainer.resolve import resolve_args
     from trainer.parallel.distributed import init_distributed
 
     import torch

@@ -138,7 +138,7 @@ def relay_args(size: dict, mode: str, checkpointing: str, attention: str, workdi
                family: str = "dit", lora_base: str | None = None, lora_rank: int = 0):
     """train.py's arguments for this run, through train.py's own parser (a LoRA run of rank
     `lora_rank` over the frozen base in the safetensors file `lora_base`)."""
-    from trainer.config.args import resolve_config
+    from trainer.resolve import resolve_config
 
     config = str(Path(__file__).resolve().parents[1] / "config/tiny/pretrain.yaml")
     overrides = (relay_overrides(size, attention) if family == "dit"
@@ -175,7 +175,7 @@ def build_relay(size: dict, mode: str, checkpointing: str, attention: str, devic
     with torch.device(device):  # initialised on the GPU: 1.5 B parameters are slow on the host
         model = family_of(args).build(model_config(args))
     if lora_rank:  # as build_trained_model does: the frozen base and its adapters first
-        from trainer.models.lora import prepare_lora
+        from trainer.checkpoint.lora_weights import prepare_lora
 
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, base)
         args = relay_args(size, mode, checkpointing, attention, workdir, family, base, lora_rank)
@@ -465,12 +465,12 @@ def versions(device) -> dict:
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"{'run':<26} {'step s':>8} {'min..max':>13} {'peak GiB':>9} {'MFU(989)':>9} {'MFU(meas)':>9}")
+    print(f"{'run':<30} {'step s':>8} {'min..max':>13} {'peak GiB':>9} {'MFU(989)':>9} {'MFU(meas)':>9}")
     for r in results:
         if "error" in r:
-            print(f"{r['run']:<26} {r['error'][:60]}")
+            print(f"{r['run']:<30} {r['error'][:60]}")
             continue
-        print(f"{r['run']:<26} {r['step_s']:8.3f} {r['step_min_s']:6.3f}..{r['step_max_s']:.3f} "
+        print(f"{r['run']:<30} {r['step_s']:8.3f} {r['step_min_s']:6.3f}..{r['step_max_s']:.3f} "
               f"{r.get('peak_allocated_gib', float('nan')):9.1f} {r['mfu_datasheet']:9.1%} "
               f"{r.get('mfu_measured_ceiling', float('nan')):9.1%}")
 
@@ -493,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--activation-memory-budget", type=float, default=None,
                         help="the compile partitioner's activation_memory_budget (the fraction of "
                              "its default saved activations to keep) for both models; default: "
-                             "relay's own, trainer.models.dit.module.ACTIVATION_MEMORY_BUDGET")
+                             "relay's own, trainer.models.common.compiling.ACTIVATION_MEMORY_BUDGET")
     parser.add_argument("--coordinate-descent-tuning", action="store_true",
                         help="Inductor tunes each generated kernel's block sizes by timing them "
                              "(longer first compile), for every run of this process")
@@ -507,15 +507,15 @@ def main(argv: list[str] | None = None) -> int:
     # own), so their compiled steps are compared under the same recompute policy.
     import torch._functorch.config as functorch_config
 
-    import trainer.models.dit.module
+    import trainer.models.common.compiling
 
     if args.activation_memory_budget is not None and not 0 <= args.activation_memory_budget <= 1:
         parser.error(f"--activation-memory-budget {args.activation_memory_budget}: a fraction "
                      "from 0 (recompute everything) to 1 (torch's default)")
     if args.activation_memory_budget is None:
-        args.activation_memory_budget = trainer.models.dit.module.ACTIVATION_MEMORY_BUDGET
+        args.activation_memory_budget = trainer.models.common.compiling.ACTIVATION_MEMORY_BUDGET
     functorch_config.activation_memory_budget = args.activation_memory_budget
-    trainer.models.dit.module.ACTIVATION_MEMORY_BUDGET = args.activation_memory_budget
+    trainer.models.common.compiling.ACTIVATION_MEMORY_BUDGET = args.activation_memory_budget
     args.profile = [p for p in args.profile.split(",") if p]
     runs = [r for r in args.runs.split(",") if r]
     for spec in runs + args.profile:

@@ -199,7 +199,7 @@ def counted_work(argv: list[str], summary: dict) -> dict:
     GPU) and the TFLOP/s its median step time achieves; Stage2's critic-only and student
     steps apart."""
     from benchmarks.flops import stage_step_flops_of
-    from trainer.config.args import resolve_config
+    from trainer.resolve import resolve_config
 
     argv = list(argv[1:])  # past trainer/train.py (the report's argv)
     at = argv.index("--config")

@@ -1,7 +1,7 @@
 """`relay`: the command line of the project.
 
 Each subcommand is a small function here that hands off to the module doing the work; the
-argument parsing of train.py itself lives in trainer/config/args.py and is reused, never copied.
+argument parsing of train.py itself lives in trainer/config/args.py and trainer/resolve.py and is reused, never copied.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 
 
 def cmd_resolve(ns: argparse.Namespace) -> int:
-    from trainer.config.args import resolve_config
+    from trainer.resolve import resolve_config
     from trainer.config.schema import ConfigError
 
     try:

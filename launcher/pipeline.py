@@ -21,7 +21,7 @@ A pipeline YAML (OmegaConf, so `${...}` interpolation works) has these top-level
           pretrained_transformer_path: ${stages.pretrain.output_dir}
 
 A stage of `kind: encode` (ENCODE_STAGE_KEYS, `encode_stage`) runs `python -m
-trainer.data.encode` in every task instead of train.py: each rank encodes its share of
+trainer.encode` in every task instead of train.py: each rank encodes its share of
 `manifest` through `pipeline`'s vae/ and text_encoder/ into its output_dir, which later stages
 read as data_path (checked when they start).
 
@@ -62,13 +62,13 @@ PIPELINE_KEYS = ("name", "root", "source", "data", "manifest", "cluster", "stage
 PATH_KEYS = ("source", "data", "manifest")
 STAGE_KEYS = ("kind", "config", "overrides", "output_dir", "resources", "job_name")
 # A stage is a train.py run (kind: train, the default) or an encode of raw media (kind: encode:
-# `python -m trainer.data.encode`, one rank per task, each its share of the manifest).
+# `python -m trainer.encode`, one rank per task, each its share of the manifest).
 STAGE_KINDS = ("train", "encode")
 ENCODE_STAGE_KEYS = ("kind", "manifest", "pipeline", "vae", "text_encoder", "rows_per_shard",
                      "text_max_tokens", "text_encoder_hidden_state_skip_layer", "make_tiny_wan",
                      "demo_clips", "output_dir", "resources", "job_name")
 # The module each kind of stage runs in every task of its job.
-STAGE_ENTRIES = {"train": "trainer.train", "encode": "trainer.data.encode"}
+STAGE_ENTRIES = {"train": "trainer.train", "encode": "trainer.encode"}
 NETWORKS = ("efa", "ib", "tcp", "none")
 
 # Every cluster key with its default. `tasks_per_node` is for CPU-only stages (gpus_per_node: 0):
@@ -582,7 +582,7 @@ def validate_pipeline(path: str | os.PathLike, *, root: str | None = None,
     Returns the Pipeline (selected stages only in `stages`). Raises PipelineError listing every
     problem, each prefixed with its stage.
     """
-    from trainer.config.args import resolve_config
+    from trainer.resolve import resolve_config
     from trainer.models.registry import model_config
     from trainer.preflight import describe_plan
     from trainer.config.schema import ConfigError
@@ -861,7 +861,7 @@ def _check_argv_round_trip(where: str, config: str, argv: list[str], args, base:
                            produced: dict[str, dict[str, Any]]) -> list[str]:
     """The job passes `argv` to train.py: it must resolve to what was validated (starting from
     what the earlier stages will have written, `produced`)."""
-    from trainer.config.args import resolve_config
+    from trainer.resolve import resolve_config
     from trainer.config.schema import ConfigError
 
     try:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.config.args import resolve_args
+from trainer.resolve import resolve_args
 from trainer.build import build_data
 from trainer.parallel.distributed import barrier, broadcast_from_rank0, destroy, init_distributed
 

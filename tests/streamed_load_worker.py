@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from trainer.build import build_trained_model  # noqa: E402
 from trainer.checkpoint import warm_start  # noqa: E402
-from trainer.config.args import resolve_config  # noqa: E402
+from trainer.resolve import resolve_config  # noqa: E402
 from trainer.models.registry import family_of  # noqa: E402
 from trainer.parallel.distributed import init_distributed  # noqa: E402
 

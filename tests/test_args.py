@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from fixtures.fastvideo_t2v import write_fastvideo_dataset
 
-from trainer.config.args import resolve_args, resolve_config
+from trainer.resolve import resolve_args, resolve_config
 
 from trainer.config.schema import ARGS, ConfigError, render_reference
 

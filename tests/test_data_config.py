@@ -5,7 +5,7 @@ import warnings
 import pytest
 from fixtures.fastvideo_t2v import write_fastvideo_dataset
 
-from trainer.config.args import resolve_args
+from trainer.resolve import resolve_args
 from trainer.config.schema import ConfigError
 
 SEED_KEYS = """

@@ -92,7 +92,7 @@ def test_a_latent_off_the_patch_grid_is_refused():
 
 
 def _fm_args(tmp_path, **keys):
-    from trainer.config.args import resolve_config
+    from trainer.resolve import resolve_config
 
     # The stage's arguments only: its batches are built here, so neither the data directory
     # nor validation is read.
@@ -200,7 +200,7 @@ def _anyflow_losses(tmp_path, pack_xs, texts, masks, keys, null_len=5, **arg_key
     """(packed loss, its gradients, stacked-or-alone reference loss, its gradients)."""
     from trainer.diffusion.sample_draws import SampleDraws
     from trainer.stages.tf_anyflow import (TeacherForcingForward, TeacherForcingPackedForward,
-                                           anyflow_batch_loss, anyflow_pack_loss)
+                                           AnyFlowSettings, anyflow_batch_loss, anyflow_pack_loss)
 
     args = _stage1_args(tmp_path, **arg_keys)
     model = _stage1_model()
@@ -208,7 +208,7 @@ def _anyflow_losses(tmp_path, pack_xs, texts, masks, keys, null_len=5, **arg_key
     null_text, null_mask = torch.zeros(null_len, D), torch.arange(null_len) < 1
     positions, total = torch.arange(len(pack_xs)), len(pack_xs)
     pack = {"packed": True, "latents": pack_xs, "text": texts, "text_mask": masks}
-    loss, _ = anyflow_pack_loss(TeacherForcingPackedForward(model), pack, args, null_text,
+    loss, _ = anyflow_pack_loss(TeacherForcingPackedForward(model), pack, AnyFlowSettings.of(args), null_text,
                                 null_mask, patch_size=(1, 2, 2),
                                 draws=SampleDraws(args.seed, 3, keys), positions=positions,
                                 global_batch=total)
@@ -216,7 +216,8 @@ def _anyflow_losses(tmp_path, pack_xs, texts, masks, keys, null_len=5, **arg_key
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     return args, model, loss, grads, (TeacherForcingForward(model), anyflow_batch_loss,
-                                      null_text, null_mask, positions, total)
+                                      AnyFlowSettings.of(args), null_text, null_mask,
+                                      positions, total)
 
 
 def test_packed_stage1_loss_and_gradients_equal_the_stacked_batch(tmp_path):
@@ -229,10 +230,12 @@ def test_packed_stage1_loss_and_gradients_equal_the_stacked_batch(tmp_path):
     texts = [torch.randn(5, D, generator=g) for _ in range(4)]
     masks = [torch.tensor([True] * n + [False] * (5 - n)) for n in (5, 3, 4, 1)]
     keys = [10, 11, 12, 13]
-    args, model, packed, grads, (u_model, batch_loss, null_text, null_mask, positions, total) = \
+    args, model, packed, grads, (u_model, batch_loss, settings, null_text, null_mask, positions,
+                                 total) = \
         _anyflow_losses(tmp_path, xs, texts, masks, keys)
     batch = {"latents": torch.stack(xs), "text": torch.stack(texts), "text_mask": torch.stack(masks)}
-    stacked, stats = batch_loss(u_model, batch, args, null_text, null_mask, num_tokens=4 * 2 * 3,
+    stacked, stats = batch_loss(u_model, batch, settings, null_text, null_mask,
+                                num_tokens=4 * 2 * 3,
                                 draws=SampleDraws(args.seed, 3, keys), positions=positions,
                                 global_batch=total)
     stacked.backward()
@@ -252,14 +255,14 @@ def test_packed_stage1_loss_of_mixed_shapes_is_the_mean_of_each_sample_alone(tmp
     xs = [x.float() for x in xs]
     keys = [5, 6, 7]
     # every sample diffusion: no rescale, so the pack's loss is the plain mean over samples
-    args, model, packed, grads, (u_model, batch_loss, null_text, null_mask, _, _) = \
+    args, model, packed, grads, (u_model, batch_loss, settings, null_text, null_mask, _, _) = \
         _anyflow_losses(tmp_path, xs, texts, masks, keys, anyflow_diffusion_ratio=1.0,
                         anyflow_consistency_ratio=0.0, null_len=7)
     alone = []
     for x, text, mask, key in zip(xs, texts, masks, keys):
         batch = {"latents": x[None], "text": text[None], "text_mask": mask[None]}
         tokens = x.shape[1] * (x.shape[2] // 2) * (x.shape[3] // 2)
-        alone.append(batch_loss(u_model, batch, args, null_text, null_mask, num_tokens=tokens,
+        alone.append(batch_loss(u_model, batch, settings, null_text, null_mask, num_tokens=tokens,
                                 draws=SampleDraws(args.seed, 3, [key]))[0])
     (sum(alone) / len(alone)).backward()
     torch.testing.assert_close(packed, sum(alone) / len(alone), rtol=1e-5, atol=1e-6)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from trainer.diffusion import flow
-from trainer.config.args import resolve_config
+from trainer.resolve import resolve_config
 from trainer.config.schema import ConfigError
 from trainer.optim.ema import EMA
 from trainer.models.dit.family import DiTFamily

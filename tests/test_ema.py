@@ -78,9 +78,9 @@ def test_swapping_the_average_in_gives_the_live_weights_back_bit_exactly():
 
 
 def test_the_fm_stage_averages_its_weights_after_every_optimizer_step(tmp_path):
-    from trainer.config.args import resolve_args
+    from trainer.resolve import resolve_args
     from trainer.parallel.distributed import Topology
-    from trainer.build import build_stage
+    from trainer.stages.registry import build_stage
     from conftest import REPO_ROOT, TINY_MODEL
 
     args, _ = resolve_args([

@@ -58,7 +58,7 @@ def _rank_process(parent: subprocess.Popen, rank: int, timeout: float = 120) -> 
     while time.monotonic() < deadline:
         for child in psutil.Process(parent.pid).children(recursive=True):
             try:
-                if child.environ().get("RANK") == str(rank) and "trainer.data.encode" in child.cmdline():
+                if child.environ().get("RANK") == str(rank) and "trainer.encode" in child.cmdline():
                     return child
             except psutil.Error:
                 continue

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.evaluation.evaluate import EVAL_CAPTIONS, detect_clip, latents_to_frames, parse_caption, score_clips
+from trainer.encoders.vae import latents_to_frames
+from trainer.evaluation.evaluate import EVAL_CAPTIONS, detect_clip, parse_caption, score_clips
 from trainer.data.synthetic import COLOURS, DIRECTIONS, SHAPES, make_clip
 
 

@@ -235,8 +235,8 @@ def test_what_cannot_be_exported_is_refused_in_one_paragraph(runs, tmp_path, cap
 
 
 def test_relay_only_settings_diffusers_cannot_run_are_refused():
-    spec = export.DIFFUSERS_EXPORTS["wan"]
     family = get_family("wan")
+    spec = family.diffusers_export
     config = family.config(tiny.TRANSFORMER)
     kept = export._diffusers_config(spec, {**config, "attention_backend": "sdpa"}, "wan")
     assert kept == {k: v for k, v in config.items() if k in kept} and "attention_backend" not in kept

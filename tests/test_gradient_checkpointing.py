@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.config.args import resolve_config
+from trainer.resolve import resolve_config
 from trainer.parallel.distributed import Topology
-from trainer.build import build_stage
+from trainer.stages.registry import build_stage
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--train_batch_size", "2", "--synthetic_num_frames", "4", "--synthetic_height", "8",

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from launcher.status import explain_failure
-from trainer.config.args import resolve_config
-from trainer.runtime.health import HealthGate
+from trainer.resolve import resolve_config
+from trainer.runtime.health import HealthGate, HealthSettings
+from trainer.stages.registry import stage_of
 from trainer.config.schema import ConfigError, ResolvedArgs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,7 +27,8 @@ def gate(**settings) -> HealthGate:
                 "health_critic_max_ratio": 10.0, "health_critic_min_ratio": 0.01,
                 "health_critic_patience": 3, "health_sample_min_ratio": 0.2,
                 "stage": "dmd_sgf"}
-    return HealthGate(ResolvedArgs({**defaults, **settings}))
+    args = ResolvedArgs({**defaults, **settings})
+    return HealthGate(HealthSettings.of(args, watches_samples=stage_of(args).health_watches_samples))
 
 
 def scores(g: HealthGate, values, weights="ema"):

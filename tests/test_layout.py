@@ -1,5 +1,6 @@
-"""The house rules of the code layout (docs/layout.md): no import circles among relay's modules,
-the compute side never imports the login side, and the login side runs without torch."""
+"""The house rules of the code layout (docs/layout.md): trainer/ in layers that import only
+downwards, no family importing another, no import circles among relay's modules, the compute
+side never imports the login side, and the login side runs without torch."""
 
 from __future__ import annotations
 
@@ -62,6 +63,56 @@ def test_no_import_circles_among_relay_modules():
     assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
 
 
+# trainer/ from the bottom up: each entry (a folder, or a module at trainer/'s top level) may
+# import itself and the entries before it, never one after it. docs/layout.md draws the same.
+LAYERS = ("runtime", "config", "encoders", "data", "diffusion", "models", "parallel", "optim",
+          "checkpoint", "build", "stages", "evaluation", "checks", "source_model", "preflight",
+          "resolve", "run_state", "encode", "warmup", "train")
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "trainer" and len(parts) > 1 else None
+
+
+def test_trainer_is_in_layers_that_import_only_downwards():
+    modules = _modules()
+    unplaced = sorted({_layer(m) for m in modules} - set(LAYERS) - {None})
+    assert not unplaced, f"trainer entries without a place in LAYERS: {unplaced}"
+    against = []
+    for name, path in modules.items():
+        here = _layer(name)
+        if here is None:
+            continue
+        for dep in sorted(_imports(path, modules)):
+            there = _layer(dep)
+            if there is not None and LAYERS.index(there) > LAYERS.index(here):
+                against.append(f"{name} ({here}) imports {dep} ({there})")
+    assert not against, "imports against the layers:\n" + "\n".join(against)
+
+
+def _family_packages() -> list[str]:
+    return sorted(path.parent.name for path in (ROOT / "trainer/models").glob("*/family.py"))
+
+
+def test_no_model_family_imports_another_and_shared_parts_import_none():
+    modules = _modules()
+    families = _family_packages()
+    assert {"dit", "wan"} <= set(families)
+    offenders = []
+    for name, path in modules.items():
+        # The registry is where the built-in families are registered: it names each.
+        if not name.startswith("trainer.models.") or name == "trainer.models.registry":
+            continue
+        own = name.split(".")[2]
+        for dep in _imports(path, modules):
+            other = dep.split(".")[2] if dep.startswith("trainer.models.") else None
+            if other in families and other != own:
+                offenders.append(f"{name} imports {dep}")
+    assert not offenders, ("a family (or a part shared by all) imports a family:\n"
+                           + "\n".join(sorted(offenders)))
+
+
 def test_the_compute_side_never_imports_the_login_side():
     modules = _modules()
     offenders = {name: sorted(d for d in _imports(path, modules) if d.startswith("launcher"))
@@ -78,7 +129,8 @@ def test_each_module_imports_on_its_own(module):
 
 TORCH_FREE = ("launcher.cli", "launcher.pipeline", "launcher.slurm", "launcher.status",
               "launcher.record", "launcher.local", "trainer.config.schema", "trainer.config.args",
-              "trainer.preflight", "trainer.config.stage_checks", "trainer.models.dit.config",
+              "trainer.resolve", "trainer.checks.stage", "trainer.checks.lora", "trainer.checks.memory",
+              "trainer.preflight", "trainer.models.dit.config",
               "trainer.checkpoint.weights_source", "trainer.checkpoint.layout", "trainer.runtime.environment",
               "trainer.runtime.files", "trainer.stages.declaration", "trainer.stages.declarations",
               "trainer.stages.registry")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from trainer.checkpoint.dcp_io import read_dcp_tensor_shapes
-from trainer.config.args import resolve_config
+from trainer.resolve import resolve_config
 from trainer.config.schema import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -206,7 +206,7 @@ def test_the_merged_weights_are_base_plus_adapter(run, base):
 
     from trainer.evaluation.export import read_export_source
     from trainer.evaluation.lora_export import merged_state_dict
-    from trainer.models.lora import checkpoint_adapters
+    from trainer.checkpoint.lora_weights import checkpoint_adapters
     from trainer.models.registry import get_family
 
     source = read_export_source(run, "ema")
@@ -309,7 +309,7 @@ def test_a_peft_export_of_a_run_whose_base_changed_is_refused_as_a_merge_is(run,
 
 
 def _adapters_equal(a: Path, b: Path) -> None:
-    from trainer.models.lora import checkpoint_adapters
+    from trainer.checkpoint.lora_weights import checkpoint_adapters
 
     for weights in ("live", "ema"):
         x, y = checkpoint_adapters(a, weights=weights), checkpoint_adapters(b, weights=weights)
@@ -346,7 +346,7 @@ def test_context_parallel_trains_the_adapters_as_data_parallel_does(root, base, 
     # data-parallel ranks of 4; the sequence split changes only the order of float sums.
     out = root / "cp2"
     _ok(_train(_argv(root, base, out, "--cp_size", "2", "--train_batch_size", "8"), nproc=2))
-    from trainer.models.lora import checkpoint_adapters
+    from trainer.checkpoint.lora_weights import checkpoint_adapters
 
     got, want = _losses(out), _losses(dp2)
     assert [s for s, _ in got] == [s for s, _ in want]
@@ -481,7 +481,7 @@ def test_the_memory_estimate_counts_a_frozen_base_and_the_adapters():
     from trainer.models.lora_targets import adapter_param_count, match_targets
     from trainer.models.registry import get_family
     from trainer.models.wan.linears import WAN_LORA_TARGETS, wan_linear_shapes
-    from trainer.parallel.memory_estimate import estimate_memory
+    from trainer.checks.memory import estimate_memory
 
     family = get_family("wan")
     config = family.config({})  # Wan2.1-T2V-1.3B

@@ -1,5 +1,5 @@
 """The topology and memory a stage is checked for before it starts (trainer.parallel.topology,
-trainer.parallel.memory_estimate, trainer.preflight.describe_plan)."""
+trainer.checks.memory, trainer.preflight.describe_plan)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config.args import resolve_config
+from trainer.resolve import resolve_config
 from trainer.models.dit.family import DiTFamily
 from trainer.models.registry import get_family
-from trainer.parallel.memory_estimate import estimate_memory
+from trainer.checks.memory import estimate_memory
 from trainer.preflight import describe_plan
 from trainer.config.schema import ConfigError
 from trainer.parallel.topology import plan_mesh

@@ -163,8 +163,8 @@ DIT_NAMES = re.compile(r"VideoDiT|DiTConfig|DiTBlock|r_embedder|time_embedder|ca
                        r"\.cfg\.|mlp_ratio|rope_axes_dim|zero_init_modulation")
 FAMILY_FREE = ["trainer/stages", "trainer/build.py", "trainer/preflight.py",
                "trainer/parallel", "trainer/warmup.py", "trainer/evaluation/inference.py",
-               "trainer/checkpoint/run_state.py", "trainer/checkpoint/warm_start.py",
-               "trainer/config/stage_checks.py", "benchmarks/flops.py"]
+               "trainer/run_state.py", "trainer/checkpoint/warm_start.py",
+               "trainer/checks/stage.py", "benchmarks/flops.py"]
 
 
 def test_the_orchestration_names_no_dit_class_method_or_key():
@@ -179,7 +179,7 @@ def test_the_orchestration_names_no_dit_class_method_or_key():
 
 
 def test_a_config_error_of_the_family_reaches_the_user_as_one_paragraph(tmp_path):
-    from trainer.config.args import resolve_config
+    from trainer.resolve import resolve_config
 
     with pytest.raises(ConfigError, match="top-level key only"):
         resolve_config(f"{TINY}/pretrain.yaml",

@@ -13,7 +13,7 @@ import yaml
 from launcher.pipeline import (PipelineError, format_override, merge_resources,
                                parse_time_minutes, render_train_argv, select_stages,
                                validate_pipeline)
-from trainer.config.args import resolve_config
+from trainer.resolve import resolve_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_PRETRAIN = str(ROOT / "config" / "tiny" / "pretrain.yaml")

@@ -20,7 +20,7 @@ import yaml
 
 from trainer.checkpoint.layout import CheckpointError
 from trainer.checkpoint.weights_source import resolve_weights_source
-from trainer.config.args import resolve_config
+from trainer.resolve import resolve_config
 from trainer.config.schema import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ from fixtures.fastvideo_t2v import write_fastvideo_dataset
 from fixtures.tiny_encoders import save_text_encoder, save_vae
 from test_data_train import MODEL, _losses, _train
 
-from trainer.config.args import resolve_args
+from trainer.resolve import resolve_args
 from trainer.data.formats import TEXT_COLUMNS
 from trainer.config.schema import ConfigError
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from trainer.data import synthetic_bench as bench
-from trainer.evaluation.evaluate import latents_to_frames
+from trainer.encoders.vae import latents_to_frames
 from trainer.evaluation.sample_stats import clip_statistics
 
 

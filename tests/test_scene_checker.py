@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from trainer.data import synthetic_bench as bench
-from trainer.evaluation.evaluate import latents_to_frames
+from trainer.encoders.vae import latents_to_frames
 from trainer.evaluation.scene_checker import parse_caption, score_scenes
 from trainer.data.synthetic import ensure_dataset, make_clip
 from trainer.encoders.text import StandInTextEncoder

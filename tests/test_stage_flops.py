@@ -1,6 +1,6 @@
 """benchmarks/flops.py's stage_step_flops against what a real training step runs.
 
-Each stage of a tiny `wan` and a tiny `dit` model is built through trainer.build.build_stage
+Each stage of a tiny `wan` and a tiny `dit` model is built through trainer.stages.registry.build_stage
 and stepped once on the CPU while every role's first block counts its calls over video and
 the video tokens they carry; the counts must equal the forward calls and tokens the formula
 claims (per sample), for SFT, Stage1 (with and without the fused null-caption pass) and Stage2
@@ -22,11 +22,11 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks import flops  # noqa: E402
 from trainer import build  # noqa: E402
-from trainer.config.args import resolve_config  # noqa: E402
+from trainer.resolve import resolve_config  # noqa: E402
 from trainer.models.attention import block_causal_mask, teacher_forcing_mask  # noqa: E402
 from trainer.models.registry import family_of, model_config  # noqa: E402
 from trainer.parallel.distributed import Topology  # noqa: E402
-from trainer.stages import rollout  # noqa: E402
+from trainer.stages import registry, rollout  # noqa: E402
 
 BATCH, TEXT = 2, 16
 CONFIGS = {"wan": "config/wan/tiny-{}.yaml", "dit": "config/tiny/{}.yaml"}
@@ -103,7 +103,7 @@ def build_stage(family: str, stage: str, tmp_path: Path, monkeypatch, *extra: st
     monkeypatch.setattr(build, "build_data", lambda *a, **k: Batches(shape, geometry.text_dim))
     topo = Topology(rank=0, world_size=1, local_rank=0, cp_size=1, device=torch.device("cpu"))
     torch.manual_seed(0)
-    return build.build_stage(args, topo), args, shape
+    return registry.build_stage(args, topo), args, shape
 
 
 def counted_step(stage, family: str, step: int) -> dict:

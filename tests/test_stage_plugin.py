@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -102,13 +103,68 @@ def test_the_kernel_warm_up_runs_the_loss_the_stage_declares(tmp_path):
 
 
 def test_the_login_side_checks_a_plugin_stage_without_torch(tmp_path):
-    code = (f"import sys\nfrom trainer.config.args import resolve_config\n"
+    code = (f"import sys\nfrom trainer.resolve import resolve_config\n"
             f"args = resolve_config({str(_config(tmp_path))!r})\n"
             f"print('STAGE', args.stage, 'TORCH', 'torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"STAGE {TOY} TORCH False" in proc.stdout
+
+
+def _project(tmp_path: Path) -> Path:
+    """A user's project directory holding the plug-in package `plugin_stages/` and a one-stage
+    pipeline of the toy stage (relative data and output paths land there)."""
+    work = tmp_path / "project"
+    shutil.copytree(ROOT / "tests" / "plugin_stages", work / "plugin_stages",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    config = yaml.safe_load(_config(tmp_path / "config").read_text())
+    config["data"]["data_path"], config["output"]["output_dir"] = "data", "unused"
+    (work / "toy.yaml").write_text(yaml.safe_dump(config))
+    (work / "pipeline.yaml").write_text(yaml.safe_dump({"name": "toy", "root": "out", "stages": {
+        "toy": {"config": "toy.yaml", "overrides": {"max_steps": 4, "save_interval": 2}}}}))
+    return work
+
+
+def _relay(*argv: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = _env()
+    env["PYTHONPATH"] = str(ROOT)  # relay itself; the plug-in is found in the directory it runs in
+    return subprocess.run([sys.executable, "-m", "launcher.cli", *argv], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_plugin_stage_named_in_the_yaml_trains_under_relay_run(tmp_path):
+    work = _project(tmp_path)
+    proc = _relay("run", "pipeline.yaml", cwd=work)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = work / "out" / "toy"
+    records = _records(out)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all("toy_sigma_mean" in r for r in records)  # the toy's own loss ran
+    assert (out / "checkpoint-4" / "COMPLETE").is_file()
+    assert json.loads((out / "resolved-config.json").read_text())["stage"] == TOY
+
+
+TORCH_AT_IMPORT = """import torch  # at import: the login node would load torch to check a run
+from plugin_stages.toy_stage import ToyX0
+"""
+
+
+def test_relay_submit_refuses_a_stage_declaration_that_imports_torch(tmp_path):
+    work = _project(tmp_path)
+    (work / "torchy_stage.py").write_text(TORCH_AT_IMPORT)
+    pipeline = yaml.safe_load((work / "pipeline.yaml").read_text())
+    pipeline["stages"]["toy"]["overrides"]["stage"] = "torchy_stage:ToyX0"
+    (work / "pipeline.yaml").write_text(yaml.safe_dump(pipeline))
+    proc = _relay("submit", "pipeline.yaml", "--dry-run", cwd=work, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[1:] == [
+        f"- stage toy: stage 'torchy_stage:ToyX0': importing torchy_stage "
+        f"({work}/torchy_stage.py) imports torch. relay imports the stage declaration's module "
+        f"on the login node (relay submit, relay run) to check a run before it starts, where it "
+        f"never imports torch: keep that module torch-free and import torch inside the modules "
+        f"its builder and warm-up loss name (import strings), as relay's own stages do."], \
+        proc.stderr
 
 
 def test_the_stages_own_check_refuses_at_dry_run(tmp_path):
@@ -126,12 +182,16 @@ def test_an_unknown_stage_is_refused_with_the_known_ones_and_the_plugin_form(tmp
     proc = _train(_config(tmp_path, stage="plugin_stages.no_such_stage:TOY"), "--dry-run",
                   timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert ("stage 'plugin_stages.no_such_stage:TOY': cannot import "
-            "plugin_stages.no_such_stage") in proc.stderr
+    assert ("stage 'plugin_stages.no_such_stage:TOY': no module named "
+            "'plugin_stages.no_such_stage' on the Python path (the directory relay runs in, "
+            f"{ROOT}; PYTHONPATH {_env()['PYTHONPATH']}). Run relay from the directory that holds "
+            "'plugin_stages', or add the directory that holds it to PYTHONPATH.") in proc.stderr
     proc = _train(_config(tmp_path, stage="plugin_stages.toy_stage:ToyX0Stage"), "--dry-run",
                   timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert "module plugin_stages.toy_stage has no attribute 'ToyX0Stage'" in proc.stderr
+    assert (f"module plugin_stages.toy_stage ({ROOT}/tests/plugin_stages/toy_stage.py) has no "
+            f"attribute 'ToyX0Stage'. It defines ToyX0: name one as "
+            f"plugin_stages.toy_stage:ToyX0.") in proc.stderr
 
 
 def test_no_product_file_names_the_toy_stage():

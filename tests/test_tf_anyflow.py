@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from trainer.diffusion import flow
-from trainer.config.args import resolve_config
+from trainer.resolve import resolve_config
 from trainer.config.schema import ConfigError
 from trainer.optim.ema import EMA
 from trainer.models.dit.module import VideoDiT
@@ -27,6 +27,7 @@ from trainer.stages.tf_anyflow import (
     TFAnyFlowStage,
     TimePairs,
     adaptive_rescale,
+    AnyFlowSettings,
     anyflow_batch_loss,
     anyflow_residual,
     bounded_window,
@@ -140,8 +141,8 @@ def warm_args(path):
 
 
 def warm_start(model, path, ema=None) -> dict:
-    """The warm start a Stage1 run makes (trainer.checkpoint.run_state), from the FM weights at `path`."""
-    from trainer.checkpoint import run_state
+    """The warm start a Stage1 run makes (trainer.run_state), from the FM weights at `path`."""
+    from trainer import run_state
 
     return run_state.warm_start(stage_for(model, ema, warm_args(path)))
 
@@ -404,12 +405,16 @@ def test_time_weight_is_applied_after_the_rescale():
 
 
 def stage_args(**overrides):
-    args = dict(cfg_drop_prob=0.0, anyflow_diffusion_ratio=0.5, anyflow_consistency_ratio=0.25,
+    """The run's keys at their defaults, with Stage1's loss keys set for these tests."""
+    from trainer.config.schema import ARGS, ResolvedArgs
+
+    args = {name: arg.default for name, arg in ARGS.items()}
+    args.update(cfg_drop_prob=0.0, anyflow_diffusion_ratio=0.5, anyflow_consistency_ratio=0.25,
                 anyflow_pair_sampler="v15", anyflow_epsilon=5.0, anyflow_fuse_guidance_scale=3.0,
                 image_cond_prob=0.0, video_cond_prob=0.0, video_cond_frames=2,
                 train_timestep_shift=1.0, train_timestep_shift_mode="fixed", loss_weighting="none")
     args.update(overrides)
-    return SimpleNamespace(**args)
+    return ResolvedArgs(args)
 
 
 class RecordingTF(torch.nn.Module):
@@ -438,7 +443,8 @@ def run_batch_loss(model, *, seed=0, batch_size=4, **overrides):
     null_text, null_mask = torch.zeros(L, D_TEXT, dtype=torch.float64), torch.zeros(L, dtype=torch.bool)
     null_mask[0] = True
     recorder = RecordingTF(model)
-    loss, stats = anyflow_batch_loss(recorder, batch, stage_args(**overrides), null_text, null_mask,
+    loss, stats = anyflow_batch_loss(recorder, batch, AnyFlowSettings.of(stage_args(**overrides)),
+                                     null_text, null_mask,
                                      num_tokens=T * 4, draws=SampleDraws(seed, 0, range(batch_size)))
     return loss, stats, recorder.calls, batch, null_text
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from conftest import REPO_ROOT, TINY_MODEL
-from trainer.config.args import resolve_args
+from trainer.resolve import resolve_args
 from trainer.parallel.distributed import Topology
-from trainer.build import build_stage
+from trainer.stages.registry import build_stage
 
 TOPOLOGY = Topology(rank=0, world_size=1, local_rank=0, cp_size=1, device=torch.device("cpu"))
 

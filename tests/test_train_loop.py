@@ -127,9 +127,9 @@ def test_a_non_finite_loss_raises_before_the_optimizer_step_changes_any_weight(
         tiny_trainer, tmp_path):
     import torch
 
-    from trainer.config.args import resolve_args
+    from trainer.resolve import resolve_args
     from trainer.parallel.distributed import Topology
-    from trainer.build import build_stage
+    from trainer.stages.registry import build_stage
     from trainer.stages.base import NonFiniteError
 
     tiny_trainer.reference()  # generates the shared data

@@ -206,7 +206,7 @@ def _dry_run(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
 
 
 def _resolve(tmp_path: Path, *extra: str):
-    from trainer.config.args import resolve_config
+    from trainer.resolve import resolve_config
 
     return resolve_config(str(ROOT / "config/wan/tiny-a14b.yaml"),
                           ["--data_path", str(tmp_path / "data"), "--output_dir",

@@ -220,7 +220,7 @@ def test_the_family_trains_through_pretrain(tmp_path):
 
 
 def test_preflight_takes_context_parallel_for_wan(tmp_path):
-    from trainer.config.args import resolve_config
+    from trainer.resolve import resolve_config
     from trainer.config.schema import ConfigError
 
     overrides = {"model_family": "wan", "cp_size": 2, "output_dir": str(tmp_path),

@@ -78,7 +78,7 @@ def test_encoding_through_the_directory_equals_diffusers_and_transformers(pipeli
 
 
 def _resolve(tmp_path, pipeline_dir, *extra):
-    from trainer.config.args import resolve_config
+    from trainer.resolve import resolve_config
 
     argv = ["--make_tiny_wan", "false", "--pretrained_transformer_path", str(pipeline_dir),
             "--data_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "out"), *extra]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trainer import warmup
-from trainer.config.args import resolve_config
+from trainer.resolve import resolve_config
 from trainer.data.synthetic import ensure_dataset
 from trainer.stages import fm
 

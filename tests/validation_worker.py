@@ -23,8 +23,8 @@ import torch
 from test_data_train import MODEL
 from trainer import train
 from trainer.encoders import vae
-from trainer.config.args import resolve_args
-from trainer.build import build_stage
+from trainer.resolve import resolve_args
+from trainer.stages.registry import build_stage
 from trainer.parallel.distributed import barrier, destroy, init_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

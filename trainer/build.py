@@ -19,7 +19,6 @@ from trainer.models.fa4_ops import FA4_OPS
 from trainer.config.schema import ResolvedArgs
 from trainer.models.lora_targets import lora_enabled
 from trainer.models.registry import family_of, model_config
-from trainer.stages.registry import stage_of
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,7 @@ def build_trained_model(args: ResolvedArgs, topo: Topology, *,
         del meta
     model = build_model(args, topo.device)
     if lora_enabled(args):  # the frozen base and its adapters, before checkpointing and FSDP2
-        from trainer.models.lora import prepare_lora
+        from trainer.checkpoint.lora_weights import prepare_lora
 
         model = prepare_lora(model, args)
     return distribute(prepare_for_training(model, args), topo)
@@ -197,8 +196,9 @@ def packing_budget(args: ResolvedArgs) -> int | None:
     """The joint tokens of a pack, or None for stacked batches: packing_token_budget, or a
     budget derived from the data when a stream mixes latent shapes (trainer.data.checks)."""
     from trainer.data.checks import batching
+    from trainer.models.registry import data_widths
 
-    return batching(args).budget
+    return batching(args, data_widths(args)).budget
 
 
 def _data_reader(args: ResolvedArgs, topo: Topology, seed_offset: int, text_encoder):
@@ -248,15 +248,6 @@ def sample_latent_shape(args: ResolvedArgs) -> tuple[int, int, int, int]:
     return first_latent_shape(args.data_path)
 
 
-def build_stage(args: ResolvedArgs, topo: Topology):
-    """The stage object for args.stage, with its models, optimizers, schedulers and data: the
-    builder its declaration names (trainer.stages.registry).
-
-    Weights are random here: trainer.checkpoint.run_state then resumes or warm starts them.
-    """
-    return stage_of(args).build(args, topo)
-
-
 def build_optimization(args: ResolvedArgs, model: torch.nn.Module, *, max_steps: int,
                   use_muon: bool | None = None, learning_rate: float | None = None,
                   betas: tuple[float, float] | None = None):
@@ -268,7 +259,8 @@ def build_optimization(args: ResolvedArgs, model: torch.nn.Module, *, max_steps:
         model, use_muon=args.use_muon if use_muon is None else use_muon,
         learning_rate=args.learning_rate if learning_rate is None else learning_rate,
         muon_learning_rate=args.muon_learning_rate, weight_decay=args.weight_decay,
-        betas=betas or (args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+        betas=betas or (args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+        muon_excluded=family_of(args).muon_excluded_name_parts)
     scheduler = build_lr_scheduler(
         optimizer, lr_scheduler_type=args.lr_scheduler_type, warmup_steps=args.warmup_steps,
         max_steps=max_steps, lr_decay_steps=args.lr_decay_steps,

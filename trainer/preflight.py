@@ -4,7 +4,7 @@
 on the login node, before any model, process group or Slurm job exists, so a job never fails
 on the cluster for something that could have been said here. What a stage requires is what it
 declares (trainer.stages.declaration, found by trainer.stages.registry), checked through
-trainer.config.stage_checks.
+trainer.checks.stage.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from trainer.config import stage_checks
-from trainer.config.lora_checks import adapter_params, lora_init_problem
+from trainer.checks import stage as stage_checks
+from trainer.checks.lora import adapter_params, lora_init_problem
 from trainer.checkpoint.saved_settings import saved_settings_problem
 from trainer.models.lora_targets import lora_enabled
 from trainer.checkpoint.frozen_roles import check_frozen_sources
@@ -332,7 +332,7 @@ def _validate_pipeline_components(args: ResolvedArgs, written_before: tuple[str,
     yet to write the directory, this run's or (`written_before`) an earlier stage's that holds
     its vae_path or text_encoder: those folders are checked when the run starts."""
     if args.make_tiny_wan:
-        _check(args.model_family == "wan" and args.load_transformer_weights
+        _check(family_of(args).writes_tiny_pipeline and args.load_transformer_weights
                and args.pretrained_transformer_path is not None,
                "`make_tiny_wan: true` writes a tiny random Wan pipeline at "
                "pretrained_transformer_path and starts from it: it needs model_family: wan, "
@@ -374,8 +374,9 @@ def _validate_paths(args: ResolvedArgs, written_before: tuple[str, ...] = ()) ->
         # (data an earlier stage of the pipeline writes, an encode stage's, is checked when
         # this stage starts)
         from trainer.data.checks import check_data
+        from trainer.models.registry import data_widths
 
-        check_data(args)  # footers, shapes, a sample of bytes: every problem in one ConfigError
+        check_data(args, data_widths(args))  # footers, shapes, a sample of bytes: every problem in one ConfigError
         _validate_caption_source(args)
     # A warm-start path may be produced by an earlier stage of the same pipeline, so its
     # existence is checked at train time (and by `relay submit` only for stages run alone).
@@ -460,7 +461,7 @@ def _validate_weight_sources(args: ResolvedArgs) -> None:
         # it resumes: the warm-start sources are not read, but a frozen role the checkpoint left
         # out is (trainer.checkpoint.frozen_roles), and must hold the bytes it was saved with
         try:
-            check_frozen_sources(args, checkpoints[-1])
+            check_frozen_sources(args, checkpoints[-1], stage_of(args).frozen_roles(args))
         except CheckpointError as exc:
             raise ConfigError(str(exc)) from None
         return
@@ -603,8 +604,9 @@ def _validate_context_parallel(args: ResolvedArgs) -> None:
 def _packs(args: ResolvedArgs) -> bool:
     """Batches are packs: packing_token_budget is set, or the data's mixed shapes derive one."""
     from trainer.data.checks import batching
+    from trainer.models.registry import data_widths
 
-    return batching(args).budget is not None
+    return batching(args, data_widths(args)).budget is not None
 
 
 def _validate_topology(args: ResolvedArgs, world_size: int | None) -> None:
@@ -647,13 +649,14 @@ def describe_plan(args: ResolvedArgs, world_size: int, ranks_per_node: int | Non
     """The run's topology, global batch and memory per GPU, as printed by `relay submit` and
     `train.py --dry-run`. Raises ConfigError, with the arithmetic, when the split does not
     divide or the estimate exceeds gpu_memory_gib."""
-    from trainer.parallel.memory_estimate import estimate_memory
+    from trainer.checks.memory import estimate_memory
 
     mesh = _mesh(args, world_size, ranks_per_node)
     accum = args.gradient_accumulation_steps
     from trainer.data.checks import batching as data_batching
+    from trainer.models.registry import data_widths
 
-    batching = data_batching(args)  # stacked, packing_token_budget, or a budget from the data
+    batching = data_batching(args, data_widths(args))  # stacked, packing_token_budget, or a budget from the data
     budget = batching.budget
     video = _video_tokens(args)
     estimate = estimate_memory(
@@ -679,7 +682,7 @@ def describe_plan(args: ResolvedArgs, world_size: int, ranks_per_node: int | Non
         n = NUM_TRAIN_TIMESTEPS
         lines.append(f"timesteps: sigma in [{lo:g}, {hi:g}] after the shift (train_timestep_range: "
                      f"timesteps {lo * n:g} to {hi * n:g} of {n})")
-    lines += ["memory per GPU (estimate, trainer.parallel.memory_estimate):", estimate.describe()]
+    lines += ["memory per GPU (estimate, trainer.checks.memory):", estimate.describe()]
     if video is None and budget is None:
         lines.append("  (activations left out: the data's latent shape is not readable here)")
     text = "\n".join(lines)

@@ -21,16 +21,7 @@ from typing import Any, Mapping
 from trainer.checkpoint.layout import CheckpointError, list_checkpoints, read_complete
 from trainer.checkpoint.weights_source import MODEL_CONFIG_FILE
 from trainer.models.registry import family_of
-from trainer.stages.registry import stage_of
-
-
-def model_source_key(args: Mapping[str, Any]) -> str | None:
-    """The key naming the weights the run's own model starts from (its student's for a stage
-    with several roles: its stage declares it first), or None when it starts from nothing."""
-    keys = stage_of(args).weight_keys
-    if not keys or not keys[0].read(args):
-        return None
-    return keys[0].path
+from trainer.stages.registry import model_source_key
 
 
 def recorded_model_config(path: str | Path) -> dict[str, Any] | None:

@@ -23,21 +23,22 @@ if __package__ in (None, ""):  # `python trainer/train.py`: make the repository 
 import torch
 
 from trainer.checkpoint import store as ckpt
-from trainer.checkpoint import run_state
-from trainer.config.args import resolve_args
+from trainer import run_state
+from trainer.resolve import resolve_args
 from trainer.encoders.directories import tiny_wan_pending
-from trainer.build import build_stage
 from trainer.runtime.cuda_memory import configure_cuda_allocator
 from trainer.parallel.distributed import (Topology, any_rank, barrier, destroy, init_distributed,
                                  ranks_per_node_from_env, world_size_from_env)
 from trainer.runtime.environment import launch_manifest
 from trainer.runtime.files import write_json
-from trainer.runtime.health import HealthGate
+from trainer.runtime.health import HealthGate, HealthSettings
 from trainer.runtime.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler, interrupts_deferred
 from trainer.runtime.lock import RunLock, RunLockError, acquire_run_lock
 from trainer.preflight import describe_plan
 from trainer.config.schema import ConfigError, ResolvedArgs
+from trainer.models.registry import family_of
 from trainer.stages.base import NonFiniteError
+from trainer.stages.registry import build_stage, stage_of
 from trainer.runtime.tracking import MetricsWriter, Progress, WandbReporter
 from trainer.evaluation.validation import run_validation, validation_due
 
@@ -70,17 +71,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write_tiny_wan(args: ResolvedArgs) -> None:
-    """Rank 0 writes trainer.models.wan.tiny's pipeline at pretrained_transformer_path, or, for
-    an expert folder (.../transformer, .../transformer_2), the two-expert A14B layout in its
+    """Rank 0 writes the family's tiny pipeline at pretrained_transformer_path, or, for an
+    expert folder (.../transformer, .../transformer_2), the two-expert A14B layout in its
     parent (renamed into place when complete); the other ranks wait for it."""
     from trainer.encoders.directories import tiny_wan_target
-    from trainer.models.wan.tiny import write_tiny_wan_pipeline
 
     path, boundary = tiny_wan_target(args.pretrained_transformer_path)
     if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
         log.info("make_tiny_wan: writing a tiny random Wan%s pipeline at %s",
                  " A14B (two experts)" if boundary is not None else "", path)
-        write_tiny_wan_pipeline(path, seed=args.seed, boundary_ratio=boundary)
+        family_of(args).write_tiny_pipeline(path, seed=args.seed, boundary_ratio=boundary)
         return
     deadline = time.monotonic() + 600
     while not (path / "model_index.json").is_file() and time.monotonic() < deadline:
@@ -189,7 +189,8 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
         return 0
     metrics = MetricsWriter(out, enabled=topo.is_main)
     metrics.truncate_after(start_step)
-    gate = HealthGate(args)
+    gate = HealthGate(HealthSettings.of(
+        args, watches_samples=stage_of(args).health_watches_samples))
     gate.replay(metrics.path, start_step)
     tracker = WandbReporter(args, enabled=topo.is_main, resumed=resumed is not None)
     progress = Progress(args.max_steps, start_step, enabled=topo.is_main)

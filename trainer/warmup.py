@@ -35,7 +35,7 @@ if __package__ in (None, ""):  # `python trainer/warmup.py`: make the repository
 
 import torch
 
-from trainer.config.args import resolve_args
+from trainer.resolve import resolve_args
 from trainer.build import build_model, prepare_for_training, sample_latent_shape
 from trainer.runtime.files import write_json
 from trainer.config.schema import ConfigError, ResolvedArgs

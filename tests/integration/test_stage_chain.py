@@ -200,10 +200,10 @@ def test_stage2_critic_and_student_ema_receive_their_sources_at_the_warm_start(c
     # The critic trains from step 1, so what it was given is seen at the warm start itself:
     # Stage2's job argv as `relay run` ran it, its stage built and warm-started in-process.
     from launcher.pipeline import validate_pipeline
-    from trainer.config.args import resolve_args
+    from trainer.resolve import resolve_args
     from trainer.parallel.distributed import Topology
-    from trainer.checkpoint import run_state
-    from trainer.build import build_stage
+    from trainer import run_state
+    from trainer.stages.registry import build_stage
 
     reference = chains["reference"]
     spec = validate_pipeline(chains["pipeline"], root=str(reference),

@@ -18,15 +18,8 @@ from typing import Any, Mapping
 
 from trainer.checkpoint.layout import CheckpointError
 from trainer.checkpoint.lora_base import base_reference, describe_change
-from trainer.stages.registry import stage_of
 
 FROZEN_FILE = "frozen-roles.json"
-
-
-def frozen_roles(args: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
-    """role -> (source path, weights) of the roles this run keeps out of its checkpoints (those
-    its stage declares)."""
-    return stage_of(args).frozen_roles(args)
 
 
 def read_recorded_frozen(checkpoint: str | Path) -> dict[str, dict[str, Any]]:
@@ -41,14 +34,15 @@ def read_recorded_frozen(checkpoint: str | Path) -> dict[str, dict[str, Any]]:
             if isinstance(ref, dict) and "digest" in ref}
 
 
-def check_frozen_sources(args: Mapping[str, Any],
-                         checkpoint: Path | None) -> dict[str, dict[str, Any]]:
-    """The references of this run's frozen roles now, to record in its checkpoints. Raises
+def check_frozen_sources(args: Mapping[str, Any], checkpoint: Path | None,
+                         frozen: Mapping[str, tuple[str, str]]) -> dict[str, dict[str, Any]]:
+    """The references of this run's frozen roles now, to record in its checkpoints: `frozen`,
+    role -> (source path, weights) of the roles its stage keeps out of its checkpoints
+    (StageDeclaration.frozen_roles). Raises
     CheckpointError, in one paragraph, when a source cannot be read, or when `checkpoint` (the
     one a resume starts from) left a role out and that role's source changed since (checked
     also when this run saves that role itself: the resume loads it from its source)."""
     recorded = read_recorded_frozen(checkpoint) if checkpoint is not None else {}
-    frozen = frozen_roles(args)
     references = {}
     for role in sorted(set(frozen) | set(recorded)):
         path, weights = frozen.get(role) or (args[f"{role}_init_path"],

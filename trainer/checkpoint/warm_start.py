@@ -109,27 +109,15 @@ def _source_checksums(source: WeightsSource) -> dict[str, str]:
     return member_checksums(recorded, source.path.name)
 
 
-# Keys only the original Wan release (or ComfyUI's copy of it) has.
-_ORIGINAL_MARKERS = (".self_attn.", ".cross_attn.", "head.head.", "model.diffusion_model.")
-
-
 def _directory_keys(source: WeightsSource, family) -> tuple[dict[str, tuple[int, ...]],
                                                              dict[str, tuple[Path, str]], str]:
     """(model key -> stored shape, model key -> (file, stored key), layout) of a safetensors
     directory, from the files' headers; keys mapped through `family`'s adapter."""
     stored_keys = {file: safetensors_keys(file) for file in source.files}
     every = [key for keys in stored_keys.values() for key in keys]
-    layout = "original" if any(m in key for key in every for m in _ORIGINAL_MARKERS) else "diffusers"
-    adapter = None
-    if family is not None:
-        try:
-            adapter = family.state_dict_adapter(layout)
-        except ValueError:
-            if layout == "original":
-                raise CheckpointError(
-                    f"{source.path} holds weights in the original Wan release layout "
-                    f"('self_attn.q' keys), which model family {family.name!r} cannot read; "
-                    f"use model_family: wan") from None
+    # The family recognises the releases it reads (Wan: diffusers' or the original layout).
+    layout = family.source_layout(every) if family is not None else "relay"
+    adapter = family.state_dict_adapter(layout) if family is not None else None
     shapes: dict[str, tuple[int, ...]] = {}
     where: dict[str, tuple[Path, str]] = {}
     for file, keys in stored_keys.items():

@@ -7,8 +7,10 @@ YAML value: defaults are filled in last, only for keys nobody set. The keys them
 trainer.config.schema; what a run is checked for before it starts, in trainer.preflight.
 
 Public entry points:
-  resolve_args(argv)            -> (ResolvedArgs, dry_run), or raises ConfigError
-  resolve_config(path, overrides, world_size=None) -> the same arguments, for the launcher
+  parse_cli(argv)                     -> (config path, dry_run, typed command-line values)
+  read_config(path, overrides, cwd)   -> (ResolvedArgs, the keys the YAML and overrides set)
+trainer.resolve turns them into a checked run (directory defaults, inherited architecture,
+preflight).
 """
 
 from __future__ import annotations
@@ -16,16 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from trainer.encoders.directories import pipeline_defaults
-from trainer.preflight import text_encoder_uses, validate_args
-from trainer.source_model import inherited_architecture
 from trainer.config.schema import (ARGS, LEGACY_KEYS, MODEL_KEYS_IN_OVERRIDES, SECTIONS, Arg, ConfigError,
                             ResolvedArgs, closest_key)
 
@@ -378,25 +376,15 @@ def merge_args(yaml_values: dict[str, Any], cli_values: dict[str, Any]) -> Resol
     return ResolvedArgs(merged)
 
 
-def resolve_config(config: str | None, overrides: list[str] | dict[str, Any] = (), *,
-                   world_size: int | None = None, cwd: str | os.PathLike | None = None,
-                   check_paths: bool = True, check_weights: bool = False,
-                   written_before: tuple[str, ...] = (),
-                   produced: dict[str, dict[str, Any]] | None = None,
-                   pipeline_outputs: tuple[str, ...] | None = None) -> ResolvedArgs:
-    """Resolve a YAML plus overrides exactly as train.py does. Raises ConfigError.
+def read_config(config: str | None, overrides: list[str] | dict[str, Any] = (), *,
+                cwd: str | os.PathLike | None = None) -> tuple[ResolvedArgs, set[str]]:
+    """A YAML plus overrides parsed and merged (defaults < YAML < overrides), relative paths made
+    absolute against `cwd` (default: the current directory). Returns the arguments and the keys
+    the YAML or the overrides set. Raises ConfigError. What a run then derives and is checked
+    for is trainer.resolve's.
 
     `overrides` is either the command-line tokens (["--learning_rate", "3e-4"]) or a mapping of
-    already-typed values (the launcher's pipeline YAML). Relative paths are made absolute against
-    `cwd` (default: the current directory). check_weights also checks that the weights a warm
-    start would read exist (for a run started on its own; a pipeline checks its own chain).
-    written_before: pipeline directories an earlier stage writes first (preflight.validate_args).
-    produced: {output_dir: model config} of earlier stages of a pipeline that have not written
-    their checkpoints yet: a run starting from one inherits that architecture
-    (trainer.source_model).
-    pipeline_outputs: every stage's output_dir of the pipeline being validated
-    (preflight.validate_args).
-    """
+    already-typed values (the launcher's pipeline YAML)."""
     if isinstance(overrides, dict):
         cli = {}
         for key, value in overrides.items():
@@ -410,15 +398,7 @@ def resolve_config(config: str | None, overrides: list[str] | dict[str, Any] = (
     args = merge_args(yaml_values, cli)
     args["config"] = str(Path(config).resolve()) if config else None
     _absolute_paths_skip_config(args, Path(cwd) if cwd else Path.cwd())
-    # A diffusers pipeline directory's components fill what the YAML and command line left unset.
-    args.update(pipeline_defaults(args, set(yaml_values) | set(cli),
-                                  needs_text_encoder=bool(text_encoder_uses(args))))
-    # A relay run it starts from gives the architecture the YAML and command line left unset.
-    args.update(inherited_architecture(args, produced))
-    validate_args(args, world_size=world_size, check_paths=check_paths,
-                  check_weights=check_weights, written_before=tuple(written_before),
-                  pipeline_outputs=pipeline_outputs)
-    return args
+    return args, set(yaml_values) | set(cli)
 
 
 def _absolute_paths_skip_config(args: ResolvedArgs, base: Path) -> None:
@@ -427,20 +407,7 @@ def _absolute_paths_skip_config(args: ResolvedArgs, base: Path) -> None:
     args.update(values)
 
 
-def resolve_args(argv: list[str] | None = None, *, world_size: int | None = None,
-                 check_weights: bool = True) -> tuple[ResolvedArgs, bool]:
-    """Parse train.py's command line: returns (args, dry_run). Raises ConfigError.
-
-    check_weights: whether the warm-start sources must exist now (train.py; the kernel warm-up,
-    which runs before the stages that write them and uses random weights, passes False)."""
-    argv = sys.argv[1:] if argv is None else argv
-    config, dry_run, _ = parse_cli(argv)
-    cli_tokens = _strip_meta_flags(argv)
-    return resolve_config(config, cli_tokens, world_size=world_size,
-                          check_weights=check_weights), dry_run
-
-
-def _strip_meta_flags(argv: list[str]) -> list[str]:
+def strip_meta_flags(argv: list[str]) -> list[str]:
     out, skip = [], False
     for i, token in enumerate(argv):
         if skip:

@@ -82,10 +82,12 @@ SECTIONS: dict[str, list[Arg]] = {
             "the EMA shadow.", choices=("live", "ema")),
         Arg("warm_start_allow_missing", "str_list", [],
             "fnmatch patterns of model keys the warm-start source may lack (keys a stage adds, "
-            "e.g. 'r_embedder.*'). Anything else missing is an error."),
+            "e.g. the second time embedder a Stage1 model adds: its family's second_time_keys, "
+            "'r_embedder.*' for dit). Anything else missing is an error."),
         Arg("warm_start_allow_unexpected", "str_list", [],
-            "fnmatch patterns of source keys the model may drop (e.g. 'r_embedder.*' when the "
-            "Stage2 student loads Stage1 weights). Anything else unexpected is an error."),
+            "fnmatch patterns of source keys the model may drop (e.g. the family's second-time "
+            "keys when a model without it loads Stage1 weights). Anything else unexpected is "
+            "an error."),
         Arg("text_encoder", "str", "standin",
             "Text encoder for validation and sampling prompts, and for the captions of data "
             "that stores no caption embeddings: 'standin' (the deterministic seeded token "
@@ -277,7 +279,7 @@ SECTIONS: dict[str, list[Arg]] = {
             "recompute the rest (more memory than full checkpointing, less recompute)."),
         Arg("gpu_memory_gib", "float", None,
             "Memory of one GPU of the partition (H200: 141). When set, a stage whose estimated "
-            "memory per GPU exceeds it is refused before it starts (trainer.parallel.memory_estimate).",
+            "memory per GPU exceeds it is refused before it starts (trainer.checks.memory).",
             nullable=True),
         Arg("expected_latent_shape", "int_list", None,
             "[C, T, H, W] of a training latent, for the memory estimate where the data is not "
@@ -322,8 +324,8 @@ SECTIONS: dict[str, list[Arg]] = {
     ],
     "stage2": [
         Arg("student_init_path", "path", None,
-            "Stage2 student source (a Stage1 output_dir or checkpoint); its E_r (r_embedder.*) "
-            "tensors are dropped.", nullable=True),
+            "Stage2 student source (a Stage1 output_dir or checkpoint); its second time "
+            "embedder E_r (the family's second_time_keys) is dropped.", nullable=True),
         Arg("student_init_weights", "str", "ema", "Student source weights.",
             choices=("live", "ema")),
         Arg("teacher_init_path", "path", None,

@@ -275,13 +275,16 @@ def cached_scan(data_path, caption_tokens: int) -> DataScan:
     return _CACHE[key]
 
 
-def model_widths(args) -> tuple[int, int, tuple[int, int, int]]:
-    """(latent channels, caption width, patch size) of the run's model: its family's geometry
-    of the run's model config (trainer.models.registry), as preflight reads it."""
-    from trainer.models.registry import family_of, model_config
+@dataclass(frozen=True)
+class ModelWidths:
+    """What the data must fit of the run's model (its family's geometry, given by the caller:
+    trainer.models.registry.data_widths): latent channels, caption width, patch size, and the
+    file its architecture is read from (None: the YAML's overrides give it)."""
 
-    geometry = family_of(args).geometry(model_config(args))
-    return int(geometry.latent_channels), int(geometry.text_dim), tuple(geometry.patch_size)
+    latent_channels: int
+    text_dim: int
+    patch_size: tuple[int, int, int]
+    origin: str | None = None
 
 
 def sample_tokens(shape: np.ndarray, text_len: np.ndarray, patch_size) -> np.ndarray:
@@ -309,8 +312,9 @@ def _where(paths: list[Path], total: int) -> str:
     return str(paths[0]) if len(paths) == 1 else f"{paths[0]} and {len(paths) - 1} other shards (of {total})"
 
 
-def data_problems(args, scan: DataScan) -> list[str]:
-    """One paragraph per problem the data of `args` would meet at the job's start or later."""
+def data_problems(args, scan: DataScan, model: ModelWidths | None) -> list[str]:
+    """One paragraph per problem the data of `args` would meet at the job's start or later;
+    `model` None when the model config itself is wrong (its own check names what)."""
     problems = []
     for directory, repeat, why in scan.empty_entries:
         name = (f"data_path entry `{directory}` (repeat {repeat})" if isinstance(args.data_path, dict)
@@ -341,15 +345,10 @@ def data_problems(args, scan: DataScan) -> list[str]:
             problems.append(f"{s.path}, {error}: the row's shape or bytes are wrong (the shape "
                             f"decides how the bytes are read). Encode the sample again, or drop "
                             f"the row from the shard.")
-    if not readable:
+    if not readable or model is None:
         return problems
-    try:
-        in_channels, text_dim, patch = model_widths(args)
-        from trainer.models.registry import model_config_file
-
-        origin = model_config_file(args)
-    except (KeyError, TypeError, ValueError):
-        return problems  # the model config's own check names what is wrong with it
+    in_channels, text_dim, patch = model.latent_channels, model.text_dim, model.patch_size
+    origin = model.origin
     channels = _shards_by(scan, {s.path: set(np.unique(s.shape[:, 0]).tolist()) for s in readable})
     for count, paths in sorted(channels.items()):
         if count != in_channels:
@@ -381,7 +380,7 @@ def data_problems(args, scan: DataScan) -> list[str]:
         return problems + [f"data_path ({len(readable)} shards) holds no usable rows "
                            f"(every row's vae_latent_shape or text_embedding_shape is null or "
                            f"malformed; relay data inspect lists them)."]
-    problems += _caption_cut_problems(args, scan)
+    problems += _caption_cut_problems(args, scan, model)
     budget = args.get("packing_token_budget")
     tokens = sample_tokens(shape, text_len, patch)
     if budget is not None and tokens.max() > budget:
@@ -404,7 +403,7 @@ def data_problems(args, scan: DataScan) -> list[str]:
     return problems
 
 
-def captions_cut(args, scan: DataScan) -> tuple[int, int, int]:
+def captions_cut(args, scan: DataScan, model: ModelWidths | None) -> tuple[int, int, int]:
     """(captions the run would cut to text_max_tokens, captions counted, the longest's tokens).
 
     Stored caption embeddings are cut only in stacked batches (a pack keeps every caption
@@ -417,7 +416,7 @@ def captions_cut(args, scan: DataScan) -> tuple[int, int, int]:
     longest = int(lengths.max()) if len(lengths) else 0
     limit = args.text_max_tokens
     cut = int((raw > limit).sum())
-    if batching(args).budget is None:
+    if batching(args, model).budget is None:
         cut += int((stored > limit).sum())
     return cut, len(lengths), longest
 
@@ -446,10 +445,10 @@ def _raw_caption_lengths(args, scan: DataScan) -> np.ndarray:
     return np.concatenate(counts)
 
 
-def _caption_cut_problems(args, scan: DataScan) -> list[str]:
+def _caption_cut_problems(args, scan: DataScan, model: ModelWidths | None) -> list[str]:
     if args.get("allow_caption_truncation"):
         return []
-    cut, rows, longest = captions_cut(args, scan)
+    cut, rows, longest = captions_cut(args, scan, model)
     if not cut:
         return []
     limit = args.text_max_tokens
@@ -482,27 +481,29 @@ def _streams(scan: DataScan, image_prob) -> dict[str, np.ndarray]:
     return {name: rows for name, rows in streams.items() if wanted[name] and rows.any()}
 
 
-def batching(args) -> Batching:
+def batching(args, model: ModelWidths | None) -> Batching:
     """Stacked batches, packs of packing_token_budget, or packs of a budget derived from the
     data: when a stream (trainer.data.order.BatchPlan) holds samples of several latent shapes,
     which cannot stack, and the key is null, the budget is train_batch_size x the joint tokens
-    of the data's largest sample, the most a stacked batch of the largest shape would hold."""
+    of the data's largest sample (at the `model`'s patch size), the most a stacked batch of the
+    largest shape would hold. `model` None (a model config that is wrong, which preflight
+    reports): stacked."""
     budget = args.get("packing_token_budget")
     tbs = args.train_batch_size
     if budget is not None:
         return Batching(budget, False, f"batches: packs of <= {budget} joint tokens "
                                        f"(packing_token_budget)")
     stacked = Batching(None, False, f"batches: stacked, {tbs} samples of one latent shape")
-    if args.get("synthetic_data") or args.get("data_path") is None:
+    if args.get("synthetic_data") or args.get("data_path") is None or model is None:
         return stacked
     try:
         scan = cached_scan(args.data_path, args.text_max_tokens)
         shape = scan.column("shape")
         if len(shape) == 0:
             return stacked
-        _, _, patch = model_widths(args)
-    except Exception:  # noqa: BLE001 - unreadable data and models are reported by preflight
+    except Exception:  # noqa: BLE001 - unreadable data is reported by preflight
         return stacked
+    patch = model.patch_size
     mixed = {name: len(np.unique(shape[rows], axis=0))
              for name, rows in _streams(scan, args.get("image_sample_prob")).items()}
     if all(count <= 1 for count in mixed.values()):
@@ -521,13 +522,13 @@ def batching(args) -> Batching:
         f"largest sample's {largest} tokens; set packing_token_budget to choose another"))
 
 
-def check_data(args) -> DataScan:
+def check_data(args, model: ModelWidths | None) -> DataScan:
     """Scan the data of `args` and return the scan, or raise ConfigError listing every problem
-    (preflight calls this for real data under check_paths)."""
+    (preflight calls this for real data under check_paths, with the model's widths)."""
     from trainer.config.schema import ConfigError
 
     scan = cached_scan(args.data_path, args.text_max_tokens)
-    problems = data_problems(args, scan)
+    problems = data_problems(args, scan, model)
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems)
         raise ConfigError(f"the data cannot train ({len(problems)} problem"

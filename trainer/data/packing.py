@@ -5,8 +5,9 @@ them as one batch row: the captions one after another in the text stream, the vi
 after another in the video stream. `PackLayout` says where each sample's tokens sit; from it
 come the block-diagonal masks (a sample attends only to its own caption and video), each
 sample's RoPE grid (starting at frame 0, as if alone), the conditioning slot of every token
-(its own sample's time). VideoDiT.forward_packed and forward_teacher_forcing_packed use it
-(and give varlen kernels the sequence ids: trainer.models.attention.plan_packed); a block-causal or
+(its own sample's time). Every family's packed forms (forward_packed, the packed teacher forcing
+and rollout) use it (and give varlen kernels the sequence ids: trainer.models.attention.
+plan_packed); a block-causal or
 teacher-forcing sample brings its own chunk mask over its own video tokens, and the pack
 places it on the diagonal.
 """

@@ -32,9 +32,9 @@ def vae_factors(vae_dir) -> tuple[int, int, int]:
     config.json; the tiny Wan's when the directory is not written yet."""
     file = Path(vae_dir) / "config.json"
     if not file.is_file():
-        from trainer.models.wan import tiny
+        from trainer.encoders.directories import TINY_WAN_LATENT_CHANNELS
 
-        return tiny.LATENT_CHANNELS, 4, 8
+        return TINY_WAN_LATENT_CHANNELS, 4, 8
     config = json.loads(file.read_text())
     return (int(config["z_dim"]), int(config.get("scale_factor_temporal") or 4),
             int(config.get("scale_factor_spatial") or 8))

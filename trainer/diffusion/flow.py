@@ -10,6 +10,8 @@ broadcasts along dim 2. A per-sample sigma [B] broadcasts over any latent rank.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import functools
 import math
 
@@ -187,6 +189,59 @@ def sample_training_sigma(
         # (float32 rounding of the shift never carries a level across the boundary)
         return shift_sigma(u, shift).clamp(lo, hi)
     return shift_sigma(u, shift)
+
+
+@dataclass(frozen=True)
+class SigmaSampling:
+    """How a run draws its training noise levels ("Noise levels"), typed from its keys: the
+    base draw (flow_*), the shift (train_timestep_shift, or the dynamic one) and the range an
+    expert trains on (train_timestep_range)."""
+
+    snr_type: str
+    lognorm_loc: float
+    lognorm_scale: float
+    mode_scale: float
+    mix_uniform_ratio: float
+    shift: float
+    shift_mode: str
+    dynamic_base_tokens: int
+    dynamic_max_tokens: int
+    dynamic_base_shift: float
+    dynamic_max_shift: float
+    sigma_range: tuple[float, float]
+
+    @classmethod
+    def of(cls, args) -> "SigmaSampling":
+        return cls(snr_type=args.flow_snr_type, lognorm_loc=args.flow_lognorm_loc,
+                   lognorm_scale=args.flow_lognorm_scale, mode_scale=args.flow_mode_scale,
+                   mix_uniform_ratio=args.flow_mix_uniform_ratio,
+                   shift=args.train_timestep_shift, shift_mode=args.train_timestep_shift_mode,
+                   dynamic_base_tokens=args.dynamic_shift_base_tokens,
+                   dynamic_max_tokens=args.dynamic_shift_max_tokens,
+                   dynamic_base_shift=args.dynamic_shift_base,
+                   dynamic_max_shift=args.dynamic_shift_max,
+                   sigma_range=tuple(args.train_timestep_range))
+
+    def shift_for(self, num_tokens: int) -> float:
+        """The shift of a sample of `num_tokens` video tokens: fixed, or the dynamic one."""
+        if self.shift_mode == "dynamic":
+            return dynamic_shift(num_tokens, self.dynamic_base_tokens, self.dynamic_max_tokens,
+                                 self.dynamic_base_shift, self.dynamic_max_shift)
+        return self.shift
+
+    def draw(self, batch_size: int, num_tokens: int | None, generator: torch.Generator | None,
+             device=None) -> torch.Tensor:
+        """sample_training_sigma with this run's settings: [batch_size] levels."""
+        return sample_training_sigma(
+            batch_size, snr_type=self.snr_type, lognorm_loc=self.lognorm_loc,
+            lognorm_scale=self.lognorm_scale, mode_scale=self.mode_scale,
+            mix_uniform_ratio=self.mix_uniform_ratio, shift=self.shift,
+            shift_mode=self.shift_mode, num_tokens=num_tokens,
+            dynamic_base_tokens=self.dynamic_base_tokens,
+            dynamic_max_tokens=self.dynamic_max_tokens,
+            dynamic_base_shift=self.dynamic_base_shift,
+            dynamic_max_shift=self.dynamic_max_shift, sigma_range=self.sigma_range,
+            generator=generator, device=device)
 
 
 def sampling_sigmas(num_steps: int, shift: float = 1.0, *,

@@ -7,10 +7,10 @@ tokenizer/ and scheduler/, as Wan-AI's "-Diffusers" releases ship) given as
 
     vae_path               <dir>/vae                 (when validation decodes or vae/ is there)
     text_encoder           <dir>/text_encoder        (its tokenizer read from <dir>/tokenizer)
-    text_max_tokens        512                       (Wan's max_sequence_length: captions are
-                                                      padded to it with zero vectors)
+    text_max_tokens,       the model family's own pipeline's (ModelFamily.pipeline_defaults;
+    validation_steps,      Wan: 512, WanPipeline's max_sequence_length, captions padded to it
+    validation_guidance    with zero vectors; 50 steps at guidance 5.0)
     train_timestep_shift   scheduler/scheduler_config.json's flow_shift (or shift)
-    validation_steps       50, validation_guidance 5.0   (WanPipeline's sampling defaults)
     train_timestep_range   for an expert folder of a Wan2.2 A14B directory (model_index.json
                            with transformer_2 and boundary_ratio b), the timesteps WanPipeline
                            gives that expert: transformer/ [b, 1], transformer_2/ [0, b]
@@ -27,7 +27,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from trainer.stages.registry import stage_of
 
 # Each entry is one way a transformers tokenizer can be stored: every file of it must be there.
 TOKENIZER_FILE_SETS = (
@@ -39,11 +38,9 @@ TOKENIZER_FILE_SETS = (
     ("vocab.txt",),                     # WordPiece (BERT)
 )
 
-WAN_TEXT_LEN = 512          # WanPipeline's max_sequence_length
-WAN_SAMPLING_STEPS = 50     # WanPipeline's num_inference_steps
-WAN_GUIDANCE = 5.0          # WanPipeline's guidance_scale
 COMPONENTS = ("vae", "text_encoder", "tokenizer", "scheduler")
 TINY_WAN_FLOW_SHIFT = 3.0   # trainer.models.wan.tiny's scheduler (Wan2.1 T2V at 480p)
+TINY_WAN_LATENT_CHANNELS = 4  # trainer.models.wan.tiny's VAE z_dim
 # Wan2.2 A14B's experts: transformer/ denoises the high-noise timesteps (t >= boundary_ratio x
 # num_train_timesteps, as WanPipeline compares them), transformer_2/ the rest.
 HIGH_NOISE_EXPERT, LOW_NOISE_EXPERT = "transformer", "transformer_2"
@@ -159,12 +156,17 @@ def flow_shift(root) -> float | None:
 
 
 def pipeline_defaults(args: dict[str, Any], explicit: set[str] | frozenset[str],
-                      needs_text_encoder: bool = True) -> dict[str, Any]:
+                      needs_text_encoder: bool = True, draws_timesteps: bool = True,
+                      family_defaults: dict[str, Any] | None = None) -> dict[str, Any]:
     """The values a pipeline directory given as pretrained_transformer_path (with
     load_transformer_weights) supplies for the keys not in `explicit` (those the YAML or the
     command line set); {} when the run starts from no pipeline directory.
     `needs_text_encoder`: whether anything in the run encodes text (preflight's
-    text_encoder_uses); without that, a directory lacking text_encoder/ gives no default."""
+    text_encoder_uses); without that, a directory lacking text_encoder/ gives no default.
+    `draws_timesteps`: whether the run's stage draws flow matching's noise levels (an A14B
+    expert's timestep range is given only then). `family_defaults`: what the model family's
+    own pipeline uses (ModelFamily.pipeline_defaults: caption length, sampling steps and
+    guidance)."""
     if not args.get("load_transformer_weights"):
         return {}
     path = args.get("pretrained_transformer_path")
@@ -175,11 +177,7 @@ def pipeline_defaults(args: dict[str, Any], explicit: set[str] | frozenset[str],
         root, boundary = tiny_wan_target(path)  # the tiny pipeline this run writes first
     if root is None:
         return {}
-    found: dict[str, Any] = {
-        "text_max_tokens": WAN_TEXT_LEN,
-        "validation_steps": WAN_SAMPLING_STEPS,
-        "validation_guidance": WAN_GUIDANCE,
-    }
+    found: dict[str, Any] = dict(family_defaults or {})
     # A directory without text_encoder/ still trains what needs no encoder (pre-encoded
     # captions, no validation, no dropout or guidance); a need is refused by preflight.
     if unwritten or (root / "text_encoder").is_dir() or needs_text_encoder:
@@ -195,7 +193,7 @@ def pipeline_defaults(args: dict[str, Any], explicit: set[str] | frozenset[str],
     # An A14B expert trains on the timesteps WanPipeline gives it (flow matching's draws).
     span = expert_range(Path(path).name, boundary) if boundary is not None and \
         Path(path) != root else None
-    if span is not None and stage_of(args).timestep_range_refusal is None:
+    if span is not None and draws_timesteps:
         found["train_timestep_range"] = span
     return {key: value for key, value in found.items() if key not in explicit}
 

@@ -1,7 +1,7 @@
 """The VAE between pixels and latents: a diffusers AutoencoderKLWan loaded from a local directory.
 
 The embedded default has none: its "VAE" is the identity (pixels are the latents, read by
-trainer.evaluation.evaluate.latents_to_frames). `relay data encode` encodes through `WanVAE`, and
+latents_to_frames). `relay data encode` encodes through `WanVAE`, and
 validation decodes its samples through it when `vae_path` is set, so both sides use one
 normalisation: a latent is (z - latents_mean) / latents_std of the checkpoint's own config, as
 Wan's pipelines expect. Needs the `encode` extra (diffusers); no hub access at run time.
@@ -63,13 +63,23 @@ class WanVAE:
         return np.rint((pixels.numpy() + 1.0) * 127.5).astype(np.uint8).transpose(1, 2, 3, 0)
 
 
+def latents_to_frames(latent) -> np.ndarray:
+    """Identity-VAE decode: latents [C=3, T, H, W] in [-1, 1] (tensor or array) -> uint8
+    frames [T, H, W, 3]. Values outside [-1, 1] are clipped. Raises ValueError on other shapes."""
+    if isinstance(latent, torch.Tensor):
+        latent = latent.detach().to("cpu", torch.float32).numpy()
+    latent = np.asarray(latent, dtype=np.float32)
+    if latent.ndim != 4 or latent.shape[0] != 3:
+        raise ValueError(f"expected latents [3, T, H, W], got shape {tuple(latent.shape)}")
+    pixels = (np.clip(latent, -1.0, 1.0) + 1.0) * 127.5
+    return np.rint(pixels).astype(np.uint8).transpose(1, 2, 3, 0)
+
+
 def latents_to_clips(latents: torch.Tensor, vae_path: str | None) -> list[np.ndarray]:
     """uint8 clips [T, H, W, 3] of sampled latents [B, C, T, H, W]: decoded by the VAE at
     vae_path (loaded once per process, on the latents' device), or read as pixels by the
     identity VAE when vae_path is None."""
     if vae_path is None:
-        from trainer.evaluation.evaluate import latents_to_frames
-
         return [latents_to_frames(x) for x in latents]
     vae = _cached_vae(str(vae_path), str(latents.device))
     return [vae.frames(x) for x in latents]

@@ -20,7 +20,6 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-import torch
 
 from trainer.data.synthetic import COLOUR_RGB, COLOURS, DIRECTIONS, SHAPES, make_caption
 from trainer.encoders.text import tokenize
@@ -51,18 +50,6 @@ def summary_scores(report: dict) -> dict[str, float]:
     """The headline numbers of a score report: every top-level float (accuracies, mean_score,
     fidelity, ...), without the per-caption rows and counts."""
     return {k: v for k, v in report.items() if isinstance(v, float)}
-
-
-def latents_to_frames(latent) -> np.ndarray:
-    """Identity-VAE decode: latents [C=3, T, H, W] in [-1, 1] (tensor or array) -> uint8
-    frames [T, H, W, 3]. Values outside [-1, 1] are clipped. Raises ValueError on other shapes."""
-    if isinstance(latent, torch.Tensor):
-        latent = latent.detach().to("cpu", torch.float32).numpy()
-    latent = np.asarray(latent, dtype=np.float32)
-    if latent.ndim != 4 or latent.shape[0] != 3:
-        raise ValueError(f"expected latents [3, T, H, W], got shape {tuple(latent.shape)}")
-    pixels = (np.clip(latent, -1.0, 1.0) + 1.0) * 127.5
-    return np.rint(pixels).astype(np.uint8).transpose(1, 2, 3, 0)
 
 
 def parse_caption(caption: str) -> tuple[str | None, str | None, str | None]:

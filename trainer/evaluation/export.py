@@ -7,7 +7,7 @@ which weights, the model config it was trained with):
   warm starts read it.
 - `diffusers`: a diffusers directory (`--out` names it). transformer/ holds config.json and
   diffusion_pytorch_model.safetensors (shards and an index above `max_shard_size`), written by
-  diffusers' own class of the family (DIFFUSERS_EXPORTS) from a model built on the meta device
+  diffusers' own class of the family (the family's `diffusers_export`) from a model built on the meta device
   and given the checkpoint's tensors. The pipeline's other parts (model_index.json, vae/,
   text_encoder/, tokenizer/, scheduler/) come from the diffusers pipeline directory the run
   started from (its `pretrained_transformer_path`, followed back through warm starts from other
@@ -41,6 +41,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+from trainer.models.family import DiffusersExport
 from trainer.runtime.files import follow_umask, replace_directory
 
 LINK_FROM_BYTES = 1 << 20  # component files this large are hardlinked, smaller ones copied
@@ -71,21 +72,6 @@ class ExportFormat:
     write: Callable[..., list[str]]  # (source, out, *, overwrite, **options) -> lines to print
     out: str  # what --out names
     options: tuple[str, ...] = ()  # keyword options (the --flags) the writer takes
-
-
-@dataclasses.dataclass(frozen=True)
-class DiffusersExport:
-    """How one model family is written as diffusers: the transformer class, the config keys of
-    relay's that are dropped whatever their value (the others the class does not take must
-    keep the family's default, or diffusers would run another model), and the checks of a
-    pipeline's other components."""
-
-    class_name: str
-    ignored_keys: frozenset[str]
-    check_components: Callable[[dict[str, Any], Path], list[str]]
-    # relay's keys that change only how relay samples the weights (the causal chunking), not
-    # the weights: left out of config.json and written to SAMPLING_FILE
-    sampling_keys: frozenset[str] = frozenset()
 
 
 def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, format: str = "relay",
@@ -201,29 +187,6 @@ def write_relay(source: ExportSource, out: Path, *, overwrite: bool,
 # --format diffusers
 # ---------------------------------------------------------------------------------------------
 
-def _wan_component_checks(config: dict[str, Any], pipeline: Path) -> list[str]:
-    """Where a Wan pipeline's VAE or text encoder does not fit the exported transformer."""
-    problems = []
-    vae = _read_json(pipeline / "vae" / "config.json")
-    if vae is not None and "z_dim" in vae and vae["z_dim"] != config["in_channels"]:
-        problems.append(f"its VAE (vae/config.json) makes {vae['z_dim']}-channel latents and the "
-                        f"transformer takes in_channels {config['in_channels']}")
-    text = _read_json(pipeline / "text_encoder" / "config.json")
-    if text is not None and "d_model" in text and text["d_model"] != config["text_dim"]:
-        problems.append(f"its text encoder (text_encoder/config.json) is {text['d_model']} wide "
-                        f"and the transformer takes text_dim {config['text_dim']}")
-    return problems
-
-
-# model_family -> how it is written as diffusers
-DIFFUSERS_EXPORTS: dict[str, DiffusersExport] = {
-    # attention_backend picks a kernel, not the math; time_gate and attn_window_chunks act only
-    # with two_time and causal_chunk_size, which must keep their defaults
-    "wan": DiffusersExport(class_name="WanTransformer3DModel",
-                           ignored_keys=frozenset({"attention_backend", "time_gate"}),
-                           check_components=_wan_component_checks,
-                           sampling_keys=frozenset({"causal_chunk_size", "attn_window_chunks"})),
-}
 TRANSFORMER_DIR = "transformer"
 TRANSFORMER_2_DIR = "transformer_2"  # Wan2.2 A14B's low-noise expert (transformer/: high noise)
 EXPERT_NAMES = {TRANSFORMER_DIR: "the high-noise expert", TRANSFORMER_2_DIR: "the low-noise expert"}
@@ -247,10 +210,13 @@ def write_diffusers(source: ExportSource, out: Path, *, overwrite: bool,
     for, a components directory that is not a complete pipeline fitting the transformer, two
     experts that do not make a pair, or an `out` that exists (without `overwrite`) or is not a
     directory an export may replace."""
+    from trainer.models.registry import family_names, family_of, get_family
+
     family = source.args.get("model_family") or "dit"
-    spec = DIFFUSERS_EXPORTS.get(family)
+    spec = family_of(source.args).diffusers_export
     if spec is None:
-        known = ", ".join(f"{name} (diffusers' {s.class_name})" for name, s in DIFFUSERS_EXPORTS.items())
+        known = ", ".join(f"{name} (diffusers' {get_family(name).diffusers_export.class_name})"
+                          for name in family_names() if get_family(name).diffusers_export)
         raise ExportError(
             f"{source.checkpoint} is a model_family {family!r} run, and diffusers has no class "
             f"for that model, so --format diffusers cannot write it. --format diffusers writes "
@@ -298,7 +264,6 @@ def write_diffusers(source: ExportSource, out: Path, *, overwrite: bool,
             lines.append(_write_expert(spec, other_config, other_expert, merge_lora, tmp, out,
                                        other_slot, max_shard_size, True))
         if sampling is not None:
-            (tmp / SAMPLING_FILE).write_text(json.dumps(sampling, indent=2) + "\n")
             lines.append(f"wrote {out / SAMPLING_FILE}: a causal model (chunks of "
                          f"{_count(sampling['causal_chunk_size'], 'latent frame')}) distilled for "
                          f"{sampling['steps']} steps at shift {sampling['shift']:g}; diffusers' "
@@ -551,7 +516,7 @@ def _start_path(args) -> str | None:
     """The weights a run's own model started from, the key its stage declares first:
     pretrained_transformer_path (when loaded), or a Stage2 run's student_init_path (the Stage1
     run, which started from SFT, which started from the pipeline directory)."""
-    from trainer.source_model import model_source_key
+    from trainer.stages.registry import model_source_key
 
     key = model_source_key(args)
     return args.get(key) if key else None

@@ -111,7 +111,7 @@ def load_model_for_inference(path: str | Path, weights: str = "auto",
     member = inference_member(args, checkpoint) if weights == "live" else None
     try:
         if lora_enabled(args):  # base by reference, adapters from the checkpoint (docs/lora.md)
-            from trainer.models.lora import load_lora_checkpoint
+            from trainer.checkpoint.lora_weights import load_lora_checkpoint
 
             load_lora_checkpoint(model, args, checkpoint, weights=weights, member=member)
         else:

@@ -68,7 +68,7 @@ def check_recorded_base(source) -> None:
 
 
 def _adapters(source) -> dict[str, Any]:
-    from trainer.models.lora import checkpoint_adapters
+    from trainer.checkpoint.lora_weights import checkpoint_adapters
 
     return checkpoint_adapters(source.checkpoint, weights=source.weights, member=source.member)
 
@@ -195,7 +195,8 @@ def merged_state_dict(source) -> dict[str, Any]:
     import torch
 
     from trainer.build import build_model
-    from trainer.models.lora import load_base, merge_adapter
+    from trainer.checkpoint.lora_weights import load_base
+    from trainer.models.lora import merge_adapter
 
     require_lora(source, "--merge-lora")
     args = source.args

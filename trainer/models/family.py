@@ -20,7 +20,8 @@ from __future__ import annotations
 import difflib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import Any, Callable, ClassVar
 
 # What a family's module can do. A stage lists the ones it needs; preflight checks them.
 CAPABILITIES: dict[str, str] = {
@@ -94,6 +95,21 @@ class StateDictAdapter:
         return {self.from_relay(key): value for key, value in state.items()}
 
 
+@dataclass(frozen=True)
+class DiffusersExport:
+    """How one model family is written as diffusers: the transformer class, the config keys of
+    relay's that are dropped whatever their value (the others the class does not take must
+    keep the family's default, or diffusers would run another model), and the checks of a
+    pipeline's other components (config, pipeline directory) -> problems."""
+
+    class_name: str
+    ignored_keys: frozenset[str]
+    check_components: Callable[[dict[str, Any], Path], list[str]]
+    # relay's keys that change only how relay samples the weights (the causal chunking), not
+    # the weights: left out of config.json and written to the sampling file
+    sampling_keys: frozenset[str] = frozenset()
+
+
 class ModelFamily(ABC):
     """One architecture, as everything outside its folder sees it (torch-free).
 
@@ -117,17 +133,30 @@ class ModelFamily(ABC):
     # must name its targets.
     lora_target_modules: ClassVar[tuple[str, ...]] = ()
     # Bytes a compiled bf16 block keeps per token x hidden_size for its backward, without
-    # activation checkpointing, as measured on a GPU (trainer.parallel.memory_estimate); None
+    # activation checkpointing, as measured on a GPU (trainer.checks.memory); None
     # takes the estimate's conservative default.
     activation_bytes: ClassVar[float | None] = None
     # Bytes a block keeps per token x hidden_size under full activation checkpointing (its
     # input, for the recompute), as measured on a GPU; None takes the estimate's default
-    # (trainer.parallel.memory_estimate.CKPT_BYTES).
+    # (trainer.checks.memory.CKPT_BYTES).
     checkpoint_bytes: ClassVar[float | None] = None
     # Whether the step's peak was measured to hold the larger of the activations and the
     # gradients rather than both (backward fills the gradients as it frees the activations).
     # False, the safe default, adds them.
     gradients_overlap_activations: ClassVar[bool] = False
+    # Name fragments that keep a 2-D weight under `blocks` out of Muon (trainer.optim.optimizers,
+    # "Parameter split"): the family's norms, modulation and embedders, which are not hidden
+    # matrices. param_counts(...).muon counts what is left.
+    muon_excluded_name_parts: ClassVar[tuple[str, ...]] = ("norm", "modulation", "adaln", "embed",
+                                                             "scale_shift_table")
+    # What a diffusers pipeline directory of this family implies for keys the run leaves unset
+    # (trainer.encoders.directories.pipeline_defaults): its pipeline's caption length, sampling
+    # steps and guidance.
+    pipeline_defaults: ClassVar[dict[str, Any]] = {}
+    # Whether `write_tiny_pipeline` writes a tiny random pipeline directory (make_tiny_wan).
+    writes_tiny_pipeline: ClassVar[bool] = False
+    # How diffusers writes this family (relay export --format diffusers); None: it has no class.
+    diffusers_export: ClassVar[DiffusersExport | None] = None
 
     # -- config -----------------------------------------------------------------------------
     @abstractmethod
@@ -198,12 +227,25 @@ class ModelFamily(ABC):
         this family's config: text for error messages."""
         return f"set the {what} setting of the {self.name} model in transformer_config_overrides"
 
+    def source_layout(self, keys) -> str:
+        """The layout of a safetensors source whose tensors are named `keys` (all of them, as
+        stored): one `state_dict_adapter` knows. "relay" (the module's own keys) unless the
+        family reads other releases' layouts."""
+        return "relay"
+
     def state_dict_adapter(self, layout: str) -> StateDictAdapter:
         """The key adapter between the module and an external `layout` ("relay" is identity).
         Raises ValueError for a layout the family does not know."""
         if layout == "relay":
             return StateDictAdapter()
         raise ValueError(f"model family {self.name!r} has no {layout!r} state-dict layout")
+
+    def write_tiny_pipeline(self, directory, *, seed: int = 0,
+                            boundary_ratio: float | None = None):
+        """Write a tiny random pipeline directory of this family at `directory` (for tests and
+        the tiny pipelines; `boundary_ratio`: two experts, as Wan2.2 A14B) and return its path.
+        Only a family with `writes_tiny_pipeline` has one."""
+        raise NotImplementedError(f"model family {self.name!r} writes no tiny pipeline")
 
     # -- the module half ------------------------------------------------------------------------
     @abstractmethod

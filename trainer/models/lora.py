@@ -7,7 +7,8 @@ original as `base_layer` and the adapters `lora_A` [r, in] and `lora_B` [out, r]
 the start, so the model starts as the base). Every parameter but the adapters is frozen: no
 gradient, no optimizer state, no EMA, nothing in a checkpoint. This happens before activation
 checkpointing, compile and FSDP2, so the adapters are ordinary parameters of their block:
-FSDP2 shards them with it, Muon takes their matrices (trainer.optim.optimizers).
+FSDP2 shards them with it, Muon takes their matrices (trainer.optim.optimizers). Reading the
+base and the adapters from checkpoints and exports is trainer.checkpoint.lora_weights'.
 
 Key names: in the module, `blocks.0.attn1.to_q.lora_A.default.weight` (peft's adapter name
 `default`); exported and read back, peft's and diffusers' `blocks.0.attn1.to_q.lora_A.weight`
@@ -17,11 +18,9 @@ Key names: in the module, `blocks.0.attn1.to_q.lora_A.default.weight` (peft's ad
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 import torch
 from torch import nn
 
-from trainer.config.schema import ConfigError
 from trainer.models.lora_targets import (lora_alpha, lora_enabled, match_targets,
                                          target_entries)
 from trainer.models.registry import family_of
@@ -35,9 +34,8 @@ ADAPTER_CONFIG_FILE = "adapter_config.json"
 DIFFUSERS_PREFIX = "transformer."
 
 __all__ = ["lora_enabled", "apply_lora", "lora_config", "adapter_key", "module_key",
-           "is_adapter_key", "adapter_state_dict", "read_adapter", "load_adapter",
-           "merge_adapter", "target_names", "prepare_lora", "load_base", "base_state_dict",
-           "checkpoint_adapters", "load_lora_checkpoint"]
+           "is_adapter_key", "adapter_state_dict", "load_adapter", "merge_adapter",
+           "target_names", "base_state_dict"]
 
 
 def is_adapter_key(key: str) -> bool:
@@ -111,45 +109,6 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             if is_adapter_key(name)}
 
 
-def _strip_prefix(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Keys without diffusers' `transformer.` or peft's `base_model.model.` prefix."""
-    for prefix in (DIFFUSERS_PREFIX, "base_model.model."):
-        if state and all(key.startswith(prefix) for key in state):
-            return {key[len(prefix):]: value for key, value in state.items()}
-    return state
-
-
-def read_adapter(path: str | Path, weights: str = "auto") -> dict[str, torch.Tensor]:
-    """The adapters `path` holds, under exported keys: a `relay export --format peft`
-    directory or its adapter_model.safetensors (diffusers' `transformer.` keys or bare ones),
-    or a LoRA run's checkpoint-N/ or output_dir (its EMA adapters when `weights` is "auto"
-    and it saved them, else the `weights` member). Raises ValueError when it holds none."""
-    from safetensors.torch import load_file
-
-    from trainer.checkpoint.warm_start import read_weights
-    from trainer.checkpoint.weights_source import resolve_weights_source
-
-    path = Path(path)
-    if path.is_dir() and (path / ADAPTER_FILE).is_file():
-        path = path / ADAPTER_FILE
-    if path.is_file() and path.suffix == ".safetensors":
-        state = _strip_prefix(load_file(str(path), device="cpu"))
-    else:
-        chosen = weights
-        if weights == "auto":
-            try:
-                source = resolve_weights_source(path, weights="ema")
-            except Exception:  # no EMA member: the live adapters
-                source = resolve_weights_source(path, weights="live")
-        else:
-            source = resolve_weights_source(path, weights=chosen)
-        state = {adapter_key(key): value for key, value in read_weights(source).items()}
-    adapters = {key: value for key, value in state.items() if is_adapter_key(key)}
-    if not adapters:
-        raise ValueError(f"{path} holds no LoRA adapters (no lora_A / lora_B keys)")
-    return adapters
-
-
 def load_adapter(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
     """Copy exported-key adapters `state` into `model`'s (plain, not yet sharded) adapters.
     Strict: raises ValueError naming the keys missing, unexpected or of another shape (another
@@ -195,62 +154,3 @@ def base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     -> `x.weight`), adapters left out: what the family's own state dict would be."""
     return {name.replace(".base_layer.", "."): _full(value)
             for name, value in model.state_dict().items() if not is_adapter_key(name)}
-
-
-def load_base(model: nn.Module, args) -> dict:
-    """Load the frozen base (pretrained_transformer_path) into the plain module, strictly, as a
-    warm start does (trainer.checkpoint.warm_start); returns the load report."""
-    from trainer.checkpoint.warm_start import load_warm_start
-
-    report = load_warm_start(args["pretrained_transformer_path"], model,
-                             weights=args["pretrained_weights"],
-                             allow_missing=tuple(args["warm_start_allow_missing"]),
-                             allow_unexpected=tuple(args["warm_start_allow_unexpected"]),
-                             family=family_of(args))
-    log.info("LoRA base: %d tensors from %s (frozen)", len(report["loaded"]), report["source"])
-    return report
-
-
-def prepare_lora(model: nn.Module, args) -> nn.Module:
-    """A LoRA run's module: the frozen base loaded from pretrained_transformer_path (strict,
-    as a warm start), the adapters applied, then started from lora_init_path when it is set.
-    Returns `model`. Raises CheckpointError for a base that does not fit, ConfigError (one
-    paragraph) for targets or init adapters that do not."""
-    load_base(model, args)
-    init = args.get("lora_init_path")
-    try:
-        apply_lora(model, args)
-        if init:
-            load_adapter(model, read_adapter(init), str(init))
-            log.info("LoRA adapters start from %s", init)
-    except (ValueError, OSError) as exc:
-        raise ConfigError(f"{'lora_init_path: ' if init else ''}{exc}. See docs/lora.md.") from None
-    return model
-
-
-def checkpoint_adapters(checkpoint: str | Path, *, weights: str,
-                        member: str | None = None) -> dict[str, torch.Tensor]:
-    """The adapters a LoRA run's checkpoint saved (its `weights` member, or `member`), under
-    exported keys. Raises CheckpointError when they cannot be read."""
-    from trainer.checkpoint.warm_start import read_weights
-    from trainer.checkpoint.weights_source import resolve_weights_source
-
-    source = resolve_weights_source(checkpoint, weights=weights, member=member)
-    return {adapter_key(key): value for key, value in read_weights(source).items()}
-
-
-def load_lora_checkpoint(model: nn.Module, args, checkpoint: str | Path, *, weights: str,
-                         member: str | None = None) -> nn.Module:
-    """A LoRA checkpoint rebuilt for sampling: its base (refused, CheckpointError, when its
-    bytes changed since the run trained on it: trainer.checkpoint.lora_base), its adapters
-    applied and loaded from the checkpoint. Returns `model`."""
-    from trainer.checkpoint.lora_base import check_base, read_recorded_base
-
-    checkpoint = Path(checkpoint)
-    check_base(args["pretrained_transformer_path"], args["pretrained_weights"],
-               read_recorded_base(checkpoint), checkpoint.name)
-    load_base(model, args)
-    apply_lora(model, args)
-    load_adapter(model, checkpoint_adapters(checkpoint, weights=weights, member=member),
-                 str(checkpoint))
-    return model

@@ -1,6 +1,6 @@
 """Which linear layers a LoRA adapts, and how many parameters the adapters hold (torch-free).
 
-Shared by the login-node checks (trainer.config.stage_checks, the memory estimate) and the
+Shared by the login-node checks (trainer.checks.stage, the memory estimate) and the
 module half (trainer.models.lora), so a target list means the same modules on both sides.
 
 An entry of `lora_target_modules` matches a module name

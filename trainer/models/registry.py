@@ -13,20 +13,15 @@ are what the rest of relay asks.
 from __future__ import annotations
 
 import difflib
-import importlib
-import inspect
-import os
-import sys
 from typing import Any
 
+from trainer.config.plugins import PLUGIN_FORM, PluginKind, load_plugin
 from trainer.config.schema import ConfigError
 from trainer.models.family import ModelFamily
 
 _FAMILIES: dict[str, ModelFamily] = {}
 _BUILTIN: set[str] = set()
-_REFUSED: dict[str, str] = {}  # plug-ins refused for what their import did (stays true)
 
-PLUGIN_FORM = "package.module:Class"
 
 
 class FamilyError(ConfigError):
@@ -65,69 +60,19 @@ def get_family(name: str) -> ModelFamily:
                       f"model_family in the YAML's model section.")
 
 
+FAMILY_PLUGIN = PluginKind(
+    key="model_family", known_as="model family", noun="model family", owner="family",
+    base=ModelFamily, fix_where="in the YAML's model section", error=FamilyError,
+    torch_goes="and the model's nn.Module inside the family's build(), as relay's own "
+               "families do")
+
+
 def _load_plugin(spec: str) -> ModelFamily:
-    """Import the module of `spec` ("package.module:attribute") from the Python path plus the
-    current directory, take the ModelFamily it names (a subclass is instantiated without
-    arguments) and register it under `spec` and its own name."""
-    module_name, _, attribute = spec.partition(":")
-    if not _is_dotted_name(module_name) or not _is_dotted_name(attribute):
-        raise FamilyError(f"model_family {spec!r} is neither a known model family "
-                          f"({', '.join(family_names())}) nor a plug-in of the form "
-                          f"`{PLUGIN_FORM}` (a module path, a colon, the name of a ModelFamily "
-                          f"subclass in it). Fix model_family in the YAML's model section.")
-    if spec in _REFUSED:
-        raise FamilyError(_REFUSED[spec])
-    where = _search_note()
-    torch_before = "torch" in sys.modules
-    try:
-        importlib.invalidate_caches()
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        missing = exc.name or module_name
-        if module_name == missing or module_name.startswith(missing + "."):
-            raise FamilyError(
-                f"model_family {spec!r}: no module named {missing!r} on the Python path "
-                f"({where}). Run relay from the directory that holds "
-                f"{module_name.split('.')[0]!r}, or add the directory that holds it to "
-                f"PYTHONPATH.") from None
-        raise FamilyError(_import_failed(spec, module_name, exc)) from None
-    except Exception as exc:  # the module's own code raised while it was imported
-        raise FamilyError(_import_failed(spec, module_name, exc)) from None
-    if not torch_before and "torch" in sys.modules:
-        _REFUSED[spec] = (
-            f"model_family {spec!r}: importing {module_name} ({_file_of(module)}) imports torch. "
-            f"relay imports the family's module on the login node (relay submit, relay run) to "
-            f"check a run before it starts, where it never imports torch: keep that module "
-            f"torch-free and import torch and the model's nn.Module inside the family's build(), "
-            f"as relay's own families do.")
-        raise FamilyError(_REFUSED[spec])
-    target: Any = module
-    try:
-        for part in attribute.split("."):
-            target = getattr(target, part)
-    except AttributeError:
-        offered = _families_in(module)
-        hint = (f" It defines {', '.join(offered)}: name one as {module_name}:{offered[0]}."
-                if offered else f" It defines no ModelFamily subclass.")
-        raise FamilyError(f"model_family {spec!r}: module {module_name} ({_file_of(module)}) has "
-                          f"no attribute {attribute!r}.{hint}") from None
-    if inspect.isclass(target) and issubclass(target, ModelFamily):
-        try:
-            family = target()
-        except Exception as exc:
-            raise FamilyError(
-                f"model_family {spec!r}: {attribute}() failed ({type(exc).__name__}: {exc}). "
-                f"relay makes the family with no arguments: implement every abstract method of "
-                f"trainer.models.family.ModelFamily and give __init__ defaults.") from None
-    elif isinstance(target, ModelFamily):
-        family = target
-    else:
-        what = (f"the class {target.__name__}" if inspect.isclass(target)
-                 else f"a value of type {type(target).__name__}")
-        raise FamilyError(f"model_family {spec!r} names {what}, not a model family. Name a "
-                          f"subclass of trainer.models.family.ModelFamily (or an instance of "
-                          f"one) in {module_name}: `{module_name}:<Class>`.")
+    """The family `spec` ("package.module:attribute") names (trainer.config.plugins), registered
+    under `spec` and its own name."""
+    family = load_plugin(spec, FAMILY_PLUGIN, family_names())
     own = getattr(family, "name", None)
+    attribute = spec.partition(":")[2]
     if not isinstance(own, str) or not own or ":" in own:
         raise FamilyError(f"model_family {spec!r}: the family's `name` is {own!r}; set `name` "
                           f"on the class to a short name without a colon (it is how messages "
@@ -140,42 +85,6 @@ def _load_plugin(spec: str) -> ModelFamily:
     _FAMILIES[own] = family
     _FAMILIES[spec] = family
     return family
-
-
-def _is_dotted_name(text: str) -> bool:
-    return bool(text) and all(part.isidentifier() for part in text.split("."))
-
-
-def _search_note() -> str:
-    """Make the current directory importable (relay's processes run in the directory relay was
-    run in) and say where modules are looked for."""
-    here = os.getcwd()
-    if not any(os.path.abspath(entry or os.curdir) == here for entry in sys.path):
-        sys.path.append(here)
-    note = f"the directory relay runs in, {here}"
-    extra = os.environ.get("PYTHONPATH")
-    return f"{note}; PYTHONPATH {extra}" if extra else f"{note}; PYTHONPATH is not set"
-
-
-def _import_failed(spec: str, module_name: str, exc: BaseException) -> str:
-    missing = getattr(exc, "name", None)
-    torch_hint = (" relay imports the family's module on the login node, where torch may be "
-                  "absent: import torch and the model's nn.Module inside the family's build()."
-                  if missing == "torch" or (missing or "").startswith("torch.") else "")
-    return (f"model_family {spec!r}: importing {module_name} failed ({type(exc).__name__}: "
-            f"{exc}).{torch_hint} Fix the module so that `python -c 'import {module_name}'` "
-            f"succeeds in the directory relay runs in.")
-
-
-def _file_of(module) -> str:
-    return getattr(module, "__file__", None) or "a namespace package"
-
-
-def _families_in(module) -> list[str]:
-    return sorted(name for name, value in vars(module).items()
-                  if inspect.isclass(value) and issubclass(value, ModelFamily)
-                  and value is not ModelFamily and not inspect.isabstract(value)
-                  and value.__module__ == module.__name__)
 
 
 def family_of(args) -> ModelFamily:
@@ -193,6 +102,20 @@ def model_config_file(args) -> str | None:
     """The file the run's architecture is read from (a diffusers directory's
     transformer/config.json, see WanFamily.config), or None when the overrides give it."""
     return family_of(args).config_file(args)
+
+
+def data_widths(args):
+    """What the run's data must fit of its model (trainer.data.checks): the family's geometry of
+    the run's model config and the file it comes from; None when the config itself is wrong
+    (its own check names what). A trainer.data.checks.ModelWidths."""
+    from trainer.data.checks import ModelWidths
+
+    try:
+        geometry = family_of(args).geometry(model_config(args))
+        return ModelWidths(int(geometry.latent_channels), int(geometry.text_dim),
+                           tuple(geometry.patch_size), model_config_file(args))
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _register_builtin() -> None:

@@ -29,8 +29,9 @@ _NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 LR_SCHEDULER_TYPES = ("constant", "linear", "cosine")
 
-# Name fragments that keep a 2-D weight inside `blocks` out of Muon: norms, adaLN modulation
-# (scale/shift/gate tables and their linears) and embedders are not hidden matrices ("Parameter split").
+# Name fragments that keep a 2-D weight inside `blocks` out of Muon when the model's family says
+# nothing else (ModelFamily.muon_excluded_name_parts): norms, adaLN modulation and embedders are
+# not hidden matrices ("Parameter split").
 MUON_EXCLUDED_NAME_PARTS = ("norm", "modulation", "adaln", "embed", "scale_shift_table")
 
 
@@ -272,34 +273,36 @@ class MuonWithAdamW(torch.optim.Optimizer):
 # Parameter split (docs/algorithms.md, "Parameter split") and construction
 # ---------------------------------------------------------------------------------------------
 
-def is_muon_parameter(name: str, param: torch.Tensor) -> bool:
+def is_muon_parameter(name: str, param: torch.Tensor,
+                      excluded: tuple[str, ...] = MUON_EXCLUDED_NAME_PARTS) -> bool:
     """Whether Muon trains the parameter `name` (a dotted name from model.named_parameters()).
 
     True exactly when the parameter is 2-D, one of its enclosing modules is named `blocks`
     (wrappers such as `_orig_mod.` or `_checkpoint_wrapped_module.` do not matter), and its
-    name, lower-cased, contains none of MUON_EXCLUDED_NAME_PARTS. Everything else (embedders,
-    the output head, norms, biases, modulation) belongs to AdamW.
+    name, lower-cased, contains none of `excluded` (the family's muon_excluded_name_parts).
+    Everything else (embedders, the output head, norms, biases, modulation) belongs to AdamW.
     """
     if param.ndim != 2:
         return False
     if "blocks" not in name.split(".")[:-1]:
         return False
     lowered = name.lower()
-    return not any(part in lowered for part in MUON_EXCLUDED_NAME_PARTS)
+    return not any(part in lowered for part in excluded)
 
 
-def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+def split_parameters(model: nn.Module, excluded: tuple[str, ...] = MUON_EXCLUDED_NAME_PARTS
+                     ) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """Split the trainable parameters of `model` into (muon_params, adamw_params).
 
     Each parameter with requires_grad lands in exactly one list (shared parameters once),
-    decided by `is_muon_parameter`; frozen parameters are in neither. Order follows
-    model.named_parameters().
+    decided by `is_muon_parameter` with `excluded`; frozen parameters are in neither. Order
+    follows model.named_parameters().
     """
     muon, adamw = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (muon if is_muon_parameter(name, param) else adamw).append(param)
+        (muon if is_muon_parameter(name, param, excluded) else adamw).append(param)
     return muon, adamw
 
 
@@ -312,6 +315,7 @@ def build_optimizer(
     weight_decay: float = 0.0,
     betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
+    muon_excluded: tuple[str, ...] = MUON_EXCLUDED_NAME_PARTS,
 ) -> torch.optim.Optimizer:
     """Build the one optimizer of a model's trainable parameters.
 
@@ -322,7 +326,7 @@ def build_optimizer(
     Raises ValueError when the model has no trainable parameter, or use_muon is set but no
     parameter qualifies for Muon (the option would silently do nothing).
     """
-    muon_params, adamw_params = split_parameters(model)
+    muon_params, adamw_params = split_parameters(model, muon_excluded)
     if not muon_params and not adamw_params:
         raise ValueError("the model has no trainable parameters")
     if not use_muon:

@@ -29,8 +29,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.stages.registry import stage_of
-
 
 @dataclass
 class StopReason:
@@ -84,18 +82,41 @@ class Trend:
         return self.below
 
 
+@dataclass(frozen=True)
+class HealthSettings:
+    """The health_* keys of a run, typed; `sample_min_ratio` is 0 (samples unwatched) unless
+    the run's stage watches its samples (StageDeclaration.health_watches_samples)."""
+
+    enabled: bool
+    margin: float
+    score_patience: int
+    critic_max_ratio: float
+    critic_min_ratio: float
+    critic_patience: int
+    sample_min_ratio: float
+
+    @classmethod
+    def of(cls, args, *, watches_samples: bool) -> "HealthSettings":
+        return cls(enabled=bool(args.health_gate), margin=float(args.health_score_margin),
+                   score_patience=int(args.health_score_patience),
+                   critic_max_ratio=float(args.health_critic_max_ratio),
+                   critic_min_ratio=float(args.health_critic_min_ratio),
+                   critic_patience=int(args.health_critic_patience),
+                   sample_min_ratio=(float(args.health_sample_min_ratio) if watches_samples
+                                     else 0.0))
+
+
 class HealthGate:
     """Decides, step by step, whether a run has degraded past its configured limits."""
 
-    def __init__(self, args):
-        self.enabled = bool(args.health_gate)
-        self.margin = float(args.health_score_margin)
-        self.score_patience = int(args.health_score_patience)
-        self.critic_max_ratio = float(args.health_critic_max_ratio)
-        self.critic_min_ratio = float(args.health_critic_min_ratio)
-        self.critic_patience = int(args.health_critic_patience)
-        self.sample_min_ratio = (float(args.health_sample_min_ratio)
-                                 if stage_of(args).health_watches_samples else 0.0)
+    def __init__(self, settings: HealthSettings):
+        self.enabled = settings.enabled
+        self.margin = settings.margin
+        self.score_patience = settings.score_patience
+        self.critic_max_ratio = settings.critic_max_ratio
+        self.critic_min_ratio = settings.critic_min_ratio
+        self.critic_patience = settings.critic_patience
+        self.sample_min_ratio = settings.sample_min_ratio
         self.score = Trend()
         self.critic_over = 0
         self.critic_under = 0

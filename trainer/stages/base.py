@@ -31,7 +31,7 @@ class NonFiniteError(RuntimeError):
 @dataclass(frozen=True)
 class WarmStartSource:
     """Weights a stage starts from when its output_dir has no checkpoint: `role` (a key of
-    Stage.roles) is loaded from `path` (trainer.checkpoint.warm_start's kinds of path) by trainer.checkpoint.run_state."""
+    Stage.roles) is loaded from `path` (trainer.checkpoint.warm_start's kinds of path) by trainer.run_state."""
 
     role: str
     path: str

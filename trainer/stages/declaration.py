@@ -48,7 +48,7 @@ class SamplingPlan:
 
 @dataclass(frozen=True)
 class MemoryRole:
-    """A model a stage holds in memory (trainer.parallel.memory_estimate): trained (with an
+    """A model a stage holds in memory (trainer.checks.memory): trained (with an
     optimizer and gradients) or frozen, with an EMA or not."""
 
     name: str
@@ -106,7 +106,7 @@ class StageDeclaration:
     health_watches_critic: bool = False
 
     def memory_roles(self, use_ema: bool) -> tuple[MemoryRole, ...]:
-        """The models one GPU holds for a step (trainer.parallel.memory_estimate)."""
+        """The models one GPU holds for a step (trainer.checks.memory)."""
         return (MemoryRole("transformer", True, use_ema),)
 
     def sampling(self, args) -> SamplingPlan:

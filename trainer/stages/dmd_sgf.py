@@ -241,13 +241,17 @@ class DMDSGFStage(Stage):
         })
         return numbers
 
-    def _student_update(self, step: int) -> dict[str, float]:
-        args = self.args
+    def _update_inputs(self, step: int):
+        """(batch, its captions, its draws, whether it is packed, the student's sampler) of one
+        update, generator's or critic's."""
         batch = self._next_batch()
-        captions = self._captions(batch)
-        draws = self._draws(batch, step)
         packed = bool(batch.get("packed"))
         sample = self.student_sample_packed if packed else self.student_sample
+        return batch, self._captions(batch), self._draws(batch, step), packed, sample
+
+    def _student_update(self, step: int) -> dict[str, float]:
+        args = self.args
+        batch, captions, draws, packed, sample = self._update_inputs(step)
         losses = self.generator_loss_packed if packed else self.generator_loss
         with autocast_context(self.device, args.dtype):
             x_hat, frame_mask, exit_index = sample(
@@ -269,11 +273,7 @@ class DMDSGFStage(Stage):
 
     def _critic_update(self, step: int) -> dict[str, float]:
         args = self.args
-        batch = self._next_batch()
-        captions = self._captions(batch)
-        draws = self._draws(batch, step)
-        packed = bool(batch.get("packed"))
-        sample = self.student_sample_packed if packed else self.student_sample
+        batch, captions, draws, packed, sample = self._update_inputs(step)
         with autocast_context(self.device, args.dtype):
             with torch.no_grad():
                 x_hat, frame_mask, _ = sample(batch, with_grad=False, draws=draws,

@@ -61,16 +61,7 @@ def training_sigma(draws: SampleDraws, args, num_tokens: int) -> torch.Tensor:
 
 
 def _one_sigma(generator: torch.Generator, args, num_tokens: int) -> torch.Tensor:
-    return flow.sample_training_sigma(
-        1, snr_type=args.flow_snr_type, lognorm_loc=args.flow_lognorm_loc,
-        lognorm_scale=args.flow_lognorm_scale, mode_scale=args.flow_mode_scale,
-        mix_uniform_ratio=args.flow_mix_uniform_ratio, shift=args.train_timestep_shift,
-        shift_mode=args.train_timestep_shift_mode, num_tokens=num_tokens,
-        dynamic_base_tokens=args.dynamic_shift_base_tokens,
-        dynamic_max_tokens=args.dynamic_shift_max_tokens,
-        dynamic_base_shift=args.dynamic_shift_base, dynamic_max_shift=args.dynamic_shift_max,
-        sigma_range=tuple(args.train_timestep_range), generator=generator,
-        device=generator.device)[0]
+    return flow.SigmaSampling.of(args).draw(1, num_tokens, generator, generator.device)[0]
 
 
 def fm_loss_packed(model: nn.Module, batch: dict, args, null_text: torch.Tensor,

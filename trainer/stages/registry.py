@@ -13,12 +13,9 @@ the login node checks the run through it. `stage_of(args)` is what the rest of r
 from __future__ import annotations
 
 import difflib
-import importlib
-import inspect
-import os
-import sys
 from typing import Any, Mapping
 
+from trainer.config.plugins import PluginKind, load_plugin
 from trainer.config.schema import ARGS, ConfigError
 from trainer.stages.declaration import SamplingPlan, StageDeclaration
 from trainer.stages.declarations import BUILTIN
@@ -61,44 +58,37 @@ def stage_of(args: Mapping[str, Any]) -> StageDeclaration:
     return get_stage(args.get("stage", DEFAULT_STAGE))
 
 
+def build_stage(args, topo):
+    """The stage object for args.stage, with its models, optimizers, schedulers and data: the
+    builder its declaration names, from the parts trainer.build makes. Weights are random
+    here: trainer.run_state then resumes or warm starts them."""
+    return stage_of(args).build(args, topo)
+
+
+def model_source_key(args: Mapping[str, Any]) -> str | None:
+    """The key naming the weights the run's own model starts from (its student's for a stage
+    with several roles: its stage declares it first), or None when it starts from nothing."""
+    keys = stage_of(args).weight_keys
+    if not keys or not keys[0].read(args):
+        return None
+    return keys[0].path
+
+
 def sampling_plan(args) -> SamplingPlan:
     """The sampler of the run's stage and its settings (trainer.stages.declaration)."""
     return stage_of(args).sampling(args)
 
 
+STAGE_PLUGIN = PluginKind(
+    key="stage", known_as="stage", noun="stage declaration", owner="stage declaration",
+    base=StageDeclaration, fix_where="in the YAML's training section",
+    torch_goes="inside the modules its builder and warm-up loss name (import strings), as "
+               "relay's own stages do")
+
+
 def _load_plugin(spec: str) -> StageDeclaration:
-    module_name, _, attribute = spec.partition(":")
-    valid = all(part.isidentifier() for text in (module_name, attribute)
-                for part in text.split("."))
-    if not valid:
-        raise ConfigError(f"stage {spec!r} is neither a known stage ({', '.join(stage_names())}) "
-                          f"nor a plug-in of the form {PLUGIN_FORM}.")
-    here = os.getcwd()  # relay's processes run in the directory relay was run in
-    if not any(os.path.abspath(entry or os.curdir) == here for entry in sys.path):
-        sys.path.append(here)
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        raise ConfigError(f"stage {spec!r}: cannot import {module_name} ({exc}). Run relay "
-                          f"from the directory that holds {module_name.split('.')[0]!r}, or "
-                          f"add the directory that holds it to PYTHONPATH.") from None
-    except Exception as exc:  # the module's own code raised while it was imported
-        raise ConfigError(f"stage {spec!r}: importing {module_name} failed "
-                          f"({type(exc).__name__}: {exc}). Fix the module so that `python -c "
-                          f"'import {module_name}'` succeeds.") from None
-    target: Any = module
-    try:
-        for part in attribute.split("."):
-            target = getattr(target, part)
-    except AttributeError:
-        raise ConfigError(f"stage {spec!r}: module {module_name} has no attribute "
-                          f"{attribute!r}.") from None
-    if inspect.isclass(target) and issubclass(target, StageDeclaration):
-        target = target()
-    if not isinstance(target, StageDeclaration):
-        raise ConfigError(f"stage {spec!r} names {type(target).__name__}, not a stage "
-                          f"declaration: name a subclass of "
-                          f"trainer.stages.declaration.StageDeclaration or an instance of one.")
+    """The declaration `spec` names (trainer.config.plugins), which must name its builder."""
+    target = load_plugin(spec, STAGE_PLUGIN, stage_names())
     if not target.builder:
         raise ConfigError(f"stage {spec!r}: its declaration names no builder (the import "
                           f"string of the function that builds the stage).")

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from typing import Callable, NamedTuple
+import functools
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -149,13 +150,35 @@ def raw_time_pairs(pairs: TimePairs, shift: float,
     return torch.where(is_map, strict_t, t), torch.where(is_map, strict_r, r)
 
 
-def pair_shift(args, num_tokens: int) -> float:
-    """The shift applied to both times: train_timestep_shift, or the dynamic one ("Shift")."""
-    if args.train_timestep_shift_mode == "dynamic":
-        return flow.dynamic_shift(num_tokens, args.dynamic_shift_base_tokens,
-                                  args.dynamic_shift_max_tokens, args.dynamic_shift_base,
-                                  args.dynamic_shift_max)
-    return args.train_timestep_shift
+@dataclasses.dataclass(frozen=True)
+class AnyFlowSettings:
+    """The keys Stage1's loss reads, typed once per run: caption dropout, the shares of pair
+    kinds and their sampler, the fused guidance, the finite-difference step, the loss weight,
+    the clean-frame conditioning and the noise levels' shift (docs/algorithms.md, "Stage1")."""
+
+    seed: int
+    cfg_drop_prob: float
+    diffusion_ratio: float
+    consistency_ratio: float
+    pair_sampler: str
+    fuse_guidance_scale: float
+    epsilon: float
+    loss_weighting: str
+    image_cond_prob: float
+    video_cond_prob: float
+    video_cond_frames: Any
+    sigma: flow.SigmaSampling
+
+    @classmethod
+    def of(cls, args) -> "AnyFlowSettings":
+        return cls(seed=args.seed, cfg_drop_prob=args.cfg_drop_prob,
+                   diffusion_ratio=args.anyflow_diffusion_ratio,
+                   consistency_ratio=args.anyflow_consistency_ratio,
+                   pair_sampler=args.anyflow_pair_sampler,
+                   fuse_guidance_scale=float(args.anyflow_fuse_guidance_scale),
+                   epsilon=args.anyflow_epsilon, loss_weighting=args.loss_weighting,
+                   image_cond_prob=args.image_cond_prob, video_cond_prob=args.video_cond_prob,
+                   video_cond_frames=args.video_cond_frames, sigma=flow.SigmaSampling.of(args))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,7 +358,8 @@ def with_null_captions(text: torch.Tensor, mask: torch.Tensor, drop: torch.Tenso
     return text, mask
 
 
-def anyflow_batch_loss(u_model: nn.Module, batch: dict, args, null_text: torch.Tensor,
+def anyflow_batch_loss(u_model: nn.Module, batch: dict, settings: AnyFlowSettings,
+                       null_text: torch.Tensor,
                        null_mask: torch.Tensor, *, num_tokens: int,
                        draws: SampleDraws | None = None, positions: torch.Tensor | None = None,
                        global_batch: int | None = None) -> tuple[torch.Tensor, dict]:
@@ -351,22 +375,22 @@ def anyflow_batch_loss(u_model: nn.Module, batch: dict, args, null_text: torch.T
     x0 = batch["latents"]
     device, b, frames = x0.device, x0.shape[0], x0.shape[2]
     if draws is None:
-        draws = SampleDraws(args.seed, 0, range(b), device)
+        draws = SampleDraws(settings.seed, 0, range(b), device)
     if positions is None:
         positions, global_batch = torch.arange(b), b
     # One fixed order of draws per sample: caption drop, u1, u2, conditioning, noise.
-    drop = (draws.uniform() < args.cfg_drop_prob).cpu()
+    drop = (draws.uniform() < settings.cfg_drop_prob).cpu()
     text, mask = with_null_captions(batch["text"], batch["text_mask"], drop, null_text, null_mask)
     u1, u2 = draws.uniform().cpu(), draws.uniform().cpu()
-    kind = kinds_at(positions, global_batch, args.anyflow_diffusion_ratio,
-                    args.anyflow_consistency_ratio)
-    pairs = time_pairs_from(u1, u2, kind, args.anyflow_pair_sampler)
+    kind = kinds_at(positions, global_batch, settings.diffusion_ratio,
+                    settings.consistency_ratio)
+    pairs = time_pairs_from(u1, u2, kind, settings.pair_sampler)
     time_dtype = torch.float64 if x0.dtype == torch.float64 else torch.float32
-    t_raw, r_raw = (v.to(device) for v in raw_time_pairs(pairs, pair_shift(args, num_tokens),
+    t_raw, r_raw = (v.to(device) for v in raw_time_pairs(pairs, settings.sigma.shift_for(num_tokens),
                                                          time_dtype))
-    clean = sample_condition_frames(draws.uniform(), frames, image_prob=args.image_cond_prob,
-                                    video_prob=args.video_cond_prob,
-                                    video_frames=args.video_cond_frames).to(device)
+    clean = sample_condition_frames(draws.uniform(), frames, image_prob=settings.image_cond_prob,
+                                    video_prob=settings.video_cond_prob,
+                                    video_frames=settings.video_cond_frames).to(device)
     frame_mask = torch.arange(frames, device=device)[None, :] >= clean[:, None]  # in the loss
     zero = torch.zeros((), dtype=time_dtype, device=device)
     t_frames = torch.where(frame_mask, t_raw[:, None], zero)  # clean frames: t = r = 0
@@ -382,14 +406,14 @@ def anyflow_batch_loss(u_model: nn.Module, batch: dict, args, null_text: torch.T
 
     # Fusion applies to captioned samples; a dropped caption keeps the plain target (w = 1),
     # which trains u(. | null) on its own velocity.
-    w = torch.where(drop, 1.0, float(args.anyflow_fuse_guidance_scale)).to(device)
+    w = torch.where(drop, 1.0, settings.fuse_guidance_scale).to(device)
     residual, _ = anyflow_residual(u_fn, x0, draws.normal_like(x0), t_frames, r_frames,
-                                   epsilon=args.anyflow_epsilon, frame_mask=frame_mask,
+                                   epsilon=settings.epsilon, frame_mask=frame_mask,
                                    guidance=w, u_null_fn=u_null_fn)
     losses = masked_mean_square(residual, frame_mask)
     kind = pairs.kind.to(device)
-    weight = flow.loss_weight((t_raw / N).float(), args.loss_weighting,
-                              pair_shift(args, num_tokens))
+    weight = flow.loss_weight((t_raw / N).float(), settings.loss_weighting,
+                              settings.sigma.shift_for(num_tokens))
     loss, mean_d = reduce_anyflow_losses(losses, kind == DIFFUSION, weight)
     return loss, _kind_stats(losses.detach(), pairs.kind, mean_d)
 
@@ -405,7 +429,8 @@ class TeacherForcingPackedForward(nn.Module):
         return self.model.forward_teacher_forcing_packed(noisys, cleans, ts, texts, text_masks, rs)
 
 
-def anyflow_pack_loss(u_model: nn.Module, batch: dict, args, null_text: torch.Tensor,
+def anyflow_pack_loss(u_model: nn.Module, batch: dict, settings: AnyFlowSettings,
+                      null_text: torch.Tensor,
                       null_mask: torch.Tensor, *, patch_size, draws: SampleDraws,
                       positions: torch.Tensor, global_batch: int) -> tuple[torch.Tensor, dict]:
     """The Stage1 loss of one pack (trainer.data.loader.collate_pack), as anyflow_batch_loss
@@ -418,32 +443,32 @@ def anyflow_pack_loss(u_model: nn.Module, batch: dict, args, null_text: torch.Te
     x0s, texts, masks = batch["latents"], list(batch["text"]), list(batch["text_mask"])
     device = x0s[0].device
     time_dtype = torch.float64 if x0s[0].dtype == torch.float64 else torch.float32
-    kinds = kinds_at(positions, global_batch, args.anyflow_diffusion_ratio,
-                     args.anyflow_consistency_ratio)
+    kinds = kinds_at(positions, global_batch, settings.diffusion_ratio,
+                     settings.consistency_ratio)
     noises, ts, rs, frame_masks, ws, weights = [], [], [], [], [], []
     null_texts, null_masks = [], []
     for i, x0 in enumerate(x0s):
         one = draws.one(i)
         _, frames, h, w = x0.shape
         # The order of anyflow_batch_loss: caption drop, u1, u2, conditioning, noise.
-        drop = bool(one.uniform()[0] < args.cfg_drop_prob)
+        drop = bool(one.uniform()[0] < settings.cfg_drop_prob)
         if drop:
             texts[i], masks[i] = null_text.to(x0), null_mask.to(x0.device)
         u1, u2 = one.uniform().cpu(), one.uniform().cpu()
-        pairs = time_pairs_from(u1, u2, kinds[i:i + 1], args.anyflow_pair_sampler)
-        shift = pair_shift(args, (frames // pt) * (h // ph) * (w // pw))
+        pairs = time_pairs_from(u1, u2, kinds[i:i + 1], settings.pair_sampler)
+        shift = settings.sigma.shift_for((frames // pt) * (h // ph) * (w // pw))
         t_raw, r_raw = (v.to(device) for v in raw_time_pairs(pairs, shift, time_dtype))
-        clean = sample_condition_frames(one.uniform(), frames, image_prob=args.image_cond_prob,
-                                        video_prob=args.video_cond_prob,
-                                        video_frames=args.video_cond_frames).to(device)
+        clean = sample_condition_frames(one.uniform(), frames, image_prob=settings.image_cond_prob,
+                                        video_prob=settings.video_cond_prob,
+                                        video_frames=settings.video_cond_frames).to(device)
         frame_mask = torch.arange(frames, device=device)[None, :] >= clean[:, None]
         zero = torch.zeros((), dtype=time_dtype, device=device)
         ts.append(torch.where(frame_mask, t_raw[:, None], zero))
         rs.append(torch.where(frame_mask, r_raw[:, None], zero))
         noises.append(one.normal_like(x0[None]))
         frame_masks.append(frame_mask)
-        ws.append(1.0 if drop else float(args.anyflow_fuse_guidance_scale))
-        weights.append(flow.loss_weight((t_raw / N).float(), args.loss_weighting, shift))
+        ws.append(1.0 if drop else settings.fuse_guidance_scale)
+        weights.append(flow.loss_weight((t_raw / N).float(), settings.loss_weighting, shift))
         null_texts.append(null_text.to(x0))
         null_masks.append(null_mask.to(device))
 
@@ -456,7 +481,7 @@ def anyflow_pack_loss(u_model: nn.Module, batch: dict, args, null_text: torch.Te
 
     residuals, _ = anyflow_residual_groups(
         run(texts, masks), [x0[None] for x0 in x0s], noises, ts, rs,
-        epsilon=args.anyflow_epsilon, frame_masks=frame_masks, guidance=ws,
+        epsilon=settings.epsilon, frame_masks=frame_masks, guidance=ws,
         u_null_fn=run(null_texts, null_masks))
     losses = torch.cat([masked_mean_square(res, m) for res, m in zip(residuals, frame_masks)])
     kind = kinds.to(device)
@@ -482,6 +507,10 @@ class TFAnyFlowStage(FlowMatchingStage):
 
     name = "tf_anyflow"
 
+    @functools.cached_property
+    def settings(self) -> AnyFlowSettings:
+        return AnyFlowSettings.of(self.args)
+
     def micro_batch_loss(self, batch: dict, micro: int,
                          draws: SampleDraws) -> tuple[torch.Tensor, dict]:
         # A step's sample keys are consecutive stream indices, so key mod the global batch is
@@ -492,10 +521,10 @@ class TFAnyFlowStage(FlowMatchingStage):
         if batch.get("packed"):
             # A pack's samples take their kinds by the same rule: every global_batch
             # consecutive samples of the stream hold the configured shares of each kind.
-            return anyflow_pack_loss(self.train_model, batch, args, self.null_text,
+            return anyflow_pack_loss(self.train_model, batch, self.settings, self.null_text,
                                      self.null_mask, patch_size=self.model.geometry.patch_size,
                                      draws=draws, positions=positions, global_batch=global_batch)
-        return anyflow_batch_loss(self.train_model, batch, args, self.null_text,
+        return anyflow_batch_loss(self.train_model, batch, self.settings, self.null_text,
                                   self.null_mask, num_tokens=self.tokens_per_sample,
                                   draws=draws, positions=positions, global_batch=global_batch)
 
@@ -678,6 +707,7 @@ def warmup_loss(model: nn.Module, batch: dict, args, shapes: dict) -> torch.Tens
     from trainer.stages.fm import warmup_null_caption
 
     null_text, null_mask = warmup_null_caption(args, batch["latents"].device)
-    loss, _ = anyflow_batch_loss(TeacherForcingForward(model), batch, args, null_text, null_mask,
+    loss, _ = anyflow_batch_loss(TeacherForcingForward(model), batch, AnyFlowSettings.of(args),
+                                 null_text, null_mask,
                                  num_tokens=shapes["video_tokens"])
     return loss

@@ -24,6 +24,8 @@ class DiTFamily(RelayCausalFamily):
                        "attention_backend")
     # Attention in and out of every block; the MLP (mlp.0, mlp.2) on request.
     lora_target_modules = ("qkv", "proj")
+    # Each block's adaLN `modulation` linear, its norms and the embedders stay with AdamW.
+    muon_excluded_name_parts = ("norm", "modulation", "embed")
 
     def defaults(self) -> dict[str, Any]:
         return {k: v for k, v in MODEL_CONFIG_DEFAULTS.items() if k != "zero_init_modulation"}

@@ -13,6 +13,7 @@ from typing import Any
 from trainer.models.family import Geometry
 
 DIFFUSERS_CLASS = "WanTransformer3DModel"
+WAN_TEXT_LEN = 512  # WanPipeline's max_sequence_length: captions are padded to it
 QK_NORM = "rms_norm_across_heads"
 
 # Wan2.1-T2V-1.3B (Wan-AI/Wan2.1-T2V-1.3B-Diffusers, transformer/config.json)

@@ -20,11 +20,43 @@ from pathlib import Path
 from typing import Any
 
 from trainer.models.backends import ATTENTION_BACKENDS
-from trainer.models.family import (ConfigDirError, Geometry, ParamCounts, RelayCausalFamily,
-                                   StateDictAdapter)
+from trainer.models.family import (ConfigDirError, DiffusersExport, Geometry, ParamCounts,
+                                   RelayCausalFamily, StateDictAdapter)
 from trainer.models.wan.config import (DIFFUSERS_CLASS, QK_NORM, RELAY_KEYS, SECOND_TIME_PREFIX,
-                                      WAN_DEFAULTS, rope_axes, wan_geometry)
+                                      WAN_DEFAULTS, WAN_TEXT_LEN, rope_axes, wan_geometry)
 from trainer.models.wan.linears import WAN_LORA_TARGETS, wan_linear_shapes
+
+
+def _component_checks(config: dict[str, Any], pipeline: Path) -> list[str]:
+    """Where a Wan pipeline's VAE or text encoder does not fit the exported transformer."""
+    problems = []
+    vae = _read_json(pipeline / "vae" / "config.json")
+    if vae is not None and "z_dim" in vae and vae["z_dim"] != config["in_channels"]:
+        problems.append(f"its VAE (vae/config.json) makes {vae['z_dim']}-channel latents and the "
+                        f"transformer takes in_channels {config['in_channels']}")
+    text = _read_json(pipeline / "text_encoder" / "config.json")
+    if text is not None and "d_model" in text and text["d_model"] != config["text_dim"]:
+        problems.append(f"its text encoder (text_encoder/config.json) is {text['d_model']} wide "
+                        f"and the transformer takes text_dim {config['text_dim']}")
+    return problems
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# Keys only the original Wan release (or ComfyUI's copy of it) has.
+_ORIGINAL_MARKERS = (".self_attn.", ".cross_attn.", "head.head.", "model.diffusion_model.")
+
+# attention_backend picks a kernel, not the math; time_gate and attn_window_chunks act only with
+# two_time and causal_chunk_size, which must keep their defaults (or go to the sampling file).
+DIFFUSERS_EXPORT = DiffusersExport(
+    class_name=DIFFUSERS_CLASS, ignored_keys=frozenset({"attention_backend", "time_gate"}),
+    check_components=_component_checks,
+    sampling_keys=frozenset({"causal_chunk_size", "attn_window_chunks"}))
 
 
 class WanFamily(RelayCausalFamily):
@@ -39,10 +71,17 @@ class WanFamily(RelayCausalFamily):
     lora_target_modules = WAN_LORA_TARGETS
     run_config_keys = RELAY_KEYS
     # Measured on one H200 at Wan2.1-1.3B size and at hidden 5120 x 8 blocks, and through
-    # train.py's SFT, Stage1 and Stage2 at 1.3B with checkpointing (trainer.parallel.memory_estimate).
+    # train.py's SFT, Stage1 and Stage2 at 1.3B with checkpointing (trainer.checks.memory).
     activation_bytes = 36.5
     checkpoint_bytes = 3.0
     gradients_overlap_activations = True
+    # Norms (norm1/2/3, the q/k norms), the (6, D) modulation table and the embedders.
+    muon_excluded_name_parts = ("norm", "scale_shift_table", "embed")
+    diffusers_export = DIFFUSERS_EXPORT
+    writes_tiny_pipeline = True
+    # WanPipeline's max_sequence_length, num_inference_steps and guidance_scale.
+    pipeline_defaults = {"text_max_tokens": WAN_TEXT_LEN, "validation_steps": 50,
+                         "validation_guidance": 5.0}
 
     def defaults(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, list) else v) for k, v in WAN_DEFAULTS.items()}
@@ -242,6 +281,12 @@ class WanFamily(RelayCausalFamily):
             embed += _linear(1, config["freq_dim"], d) + _linear(1, d, d)
         return config["num_layers"] * (self_attention + cross_attention + ffn) + embed
 
+    def source_layout(self, keys) -> str:
+        """"original" for the Wan release's own layout (or ComfyUI's copy of it), else
+        "diffusers" (whose keys are the module's)."""
+        return "original" if any(m in key for key in keys for m in _ORIGINAL_MARKERS) \
+            else "diffusers"
+
     def state_dict_adapter(self, layout: str) -> StateDictAdapter:
         if layout == "relay":
             return StateDictAdapter()
@@ -251,6 +296,12 @@ class WanFamily(RelayCausalFamily):
             return OriginalWanAdapter()
         raise ValueError(f"model family 'wan' has no {layout!r} state-dict layout; known: "
                          f"relay, diffusers (the same keys), original (the Wan release's)")
+
+    def write_tiny_pipeline(self, directory, *, seed: int = 0,
+                            boundary_ratio: float | None = None):
+        from trainer.models.wan.tiny import write_tiny_wan_pipeline
+
+        return write_tiny_wan_pipeline(directory, seed=seed, boundary_ratio=boundary_ratio)
 
     def build(self, config: dict[str, Any]):
         from trainer.models.wan.module import WanTransformer

@@ -21,9 +21,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from trainer.encoders.directories import TINY_WAN_FLOW_SHIFT, WAN_TEXT_LEN
+from trainer.encoders.directories import TINY_WAN_FLOW_SHIFT, TINY_WAN_LATENT_CHANNELS
+from trainer.models.wan.config import WAN_TEXT_LEN
 
-LATENT_CHANNELS = 4
+LATENT_CHANNELS = TINY_WAN_LATENT_CHANNELS
 TEXT_DIM = 32
 TEXT_LEN = WAN_TEXT_LEN  # Wan's text_encoder max length: captions are padded to it
 FLOW_SHIFT = TINY_WAN_FLOW_SHIFT  # Wan2.1 T2V at 480p ships flow_shift 3.0 (720p: 5.0)

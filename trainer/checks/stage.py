@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 
-from trainer.config.lora_checks import validate_lora
+from trainer.checks.lora import validate_lora
 from trainer.config.schema import ConfigError, ResolvedArgs
 from trainer.models.registry import family_of, model_config
 from trainer.stages.registry import builtin_stages, stage_of
@@ -39,8 +39,9 @@ def _needs_of_the_data(args: ResolvedArgs) -> tuple[str, ...]:
     derived from data of mixed shapes) need packed forwards; conditioning frames (kept clean at t = 0) need a time per frame;
     cp_size > 1 needs context parallel."""
     from trainer.data.checks import batching
+    from trainer.models.registry import data_widths
 
-    needs = ("packed",) if batching(args).budget is not None else ()
+    needs = ("packed",) if batching(args, data_widths(args)).budget is not None else ()
     if args.image_cond_prob > 0 or args.video_cond_prob > 0:
         needs += ("per_frame_times",)
     if args.cp_size > 1:

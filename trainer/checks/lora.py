@@ -1,12 +1,11 @@
 """What a LoRA run (lora_rank > 0) requires of its arguments (no torch here), called from
-trainer.config.stage_checks, so `--dry-run`, `relay resolve` and `relay submit` refuse it
+trainer.checks.stage, so `--dry-run`, `relay resolve` and `relay submit` refuse it
 before a job starts. docs/lora.md, "What relay refuses".
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 from pathlib import Path
 

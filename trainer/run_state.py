@@ -20,7 +20,7 @@ from trainer.runtime.files import write_json
 from trainer.optim.optimizers import resume_lr_scheduler
 from trainer.checkpoint.rng import capture_rng_state, restore_rng_state
 from trainer.config.schema import ConfigError, ResolvedArgs
-from trainer.models.registry import family_of, model_config
+from trainer.models.registry import data_widths, family_of, model_config
 from trainer.checkpoint.warm_start import load_warm_start
 from trainer.checkpoint.layout import DATALOADER_DIR, read_complete, scan_output_dir
 from trainer.data.checks import batching
@@ -28,8 +28,8 @@ from trainer.data.resume import IDENTITY_FILE, data_identity, identity_changes, 
 from trainer.parallel.distributed import broadcast_from_rank0
 from trainer.checkpoint.saved_settings import saved_settings_problem
 from trainer.checkpoint.lora_base import BASE_FILE, check_base, read_recorded_base
-from trainer.checkpoint.frozen_roles import (FROZEN_FILE, check_frozen_sources, frozen_roles,
-                                             read_recorded_frozen)
+from trainer.checkpoint.frozen_roles import FROZEN_FILE, check_frozen_sources, read_recorded_frozen
+from trainer.stages.registry import stage_of
 from trainer.models.lora_targets import lora_enabled
 
 log = logging.getLogger("relay")
@@ -55,8 +55,8 @@ class DataRecord:
 
     def frozen_for_save(self, args: ResolvedArgs, topo: Topology) -> dict | None:
         """Rank 0: the frozen roles' references (read now if check_resume did not)."""
-        if topo.is_main and self.frozen is None and frozen_roles(args):
-            self.frozen = check_frozen_sources(args, None)
+        if topo.is_main and self.frozen is None and stage_of(args).frozen_roles(args):
+            self.frozen = check_frozen_sources(args, None, stage_of(args).frozen_roles(args))
         return self.frozen or None
 
     def identity_for_save(self, args: ResolvedArgs, topo: Topology) -> dict | None:
@@ -86,7 +86,8 @@ def check_resume(args: ResolvedArgs, topo: Topology, out: Path) -> DataRecord:
                 record.lora_base = _check_lora_base(args, out)
             if refusal is None:
                 marked = scan_output_dir(out).marked
-                record.frozen = check_frozen_sources(args, marked[-1][1] if marked else None)
+                record.frozen = check_frozen_sources(args, marked[-1][1] if marked else None,
+                                                 stage_of(args).frozen_roles(args))
         except (ConfigError, ckpt.CheckpointError) as exc:
             refusal = str(exc)
     refusal, changed = broadcast_from_rank0((refusal, changed))
@@ -145,7 +146,7 @@ def _check_newest_checkpoint(args: ResolvedArgs, topo: Topology,
         cursor = {**cursor, "dp_world": dp_world, "cursor": {**cursor["cursor"], "streams": streams}}
         problem = position_problem(
             cursor, dp_world=topo.dp_world, batch_size=args.train_batch_size,
-            grad_accum=args.gradient_accumulation_steps, token_budget=batching(args).budget,
+            grad_accum=args.gradient_accumulation_steps, token_budget=batching(args, data_widths(args)).budget,
             checkpoint=path.name, saved_grad_accum=saved_config.get("gradient_accumulation_steps"),
             check_epochs=not changed)
         if problem:
@@ -300,7 +301,7 @@ def stage_members(stage, left_out: tuple[str, ...] | None = None) -> dict[str, o
     not in it (default: the frozen roles this run keeps out, trainer.checkpoint.frozen_roles)."""
     args = getattr(stage, "args", None) or {}
     if left_out is None:
-        left_out = tuple(frozen_roles(args))
+        left_out = tuple(stage_of(args).frozen_roles(args))
     # A LoRA run's models save their adapters only: the frozen base is referenced, not copied.
     adapters = lora_enabled(args)
     members: dict[str, object] = {name: ckpt.ModelMember(model, trainable_only=adapters)
