@@ -18,6 +18,7 @@ from pathlib import Path
 
 from trainer.checks import stage as stage_checks
 from trainer.checks.lora import adapter_params, lora_init_problem
+from trainer.checks.sparse_attention import validate_sparse_attention
 from trainer.checkpoint.saved_settings import saved_settings_problem
 from trainer.models.lora_targets import lora_enabled
 from trainer.checkpoint.frozen_roles import check_frozen_sources
@@ -127,6 +128,7 @@ def validate_args(args: ResolvedArgs, *, world_size: int | None = None,
            "selects which activations the checkpointed blocks keep), or turn it off.")
     _validate_topology(args, world_size)
     stage_checks.validate_stage(args)
+    validate_sparse_attention(args)
     if args.report_to == "wandb":
         try:
             import wandb  # noqa: F401

@@ -201,7 +201,10 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
         window_start, window_samples = time.perf_counter(), 0
         for step in range(start_step + 1, args.max_steps + 1):
             t0 = time.perf_counter()
+            sparsity = _set_attention_sparsity(stage, args, step)
             numbers = stage.train_step(step)
+            if sparsity is not None:
+                numbers["video_attention_sparsity"] = sparsity
             step_time = time.perf_counter() - t0
             window_samples += numbers.pop("samples", 0)
             record = None
@@ -251,6 +254,21 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
         tracker.finish()
     result["status"] = status
     return {"preempted": PREEMPTED_EXIT_CODE, "failed": 1}.get(status, 0)
+
+
+def _set_attention_sparsity(stage, args: ResolvedArgs, step: int) -> float | None:
+    """Sparse video attention's sparsity for optimizer step `step`, set on the stage's models
+    before the step (a function of the step, so a resume continues the ramp exactly); None
+    when the run is dense (video_attention_sparsity 0)."""
+    if args.video_attention_sparsity <= 0:
+        return None
+    from trainer.models.sparse_attention import current_sparsity, set_video_attention_sparsity
+
+    sparsity = current_sparsity(args.video_attention_sparsity,
+                                args.video_attention_sparsity_warmup_steps, step)
+    for model in stage.roles.values():
+        set_video_attention_sparsity(model, sparsity, args.video_attention_tile)
+    return sparsity
 
 
 def _last_healthy_checkpoint(out: Path, unhealthy_since: int | None) -> Path | None:

@@ -60,6 +60,24 @@ SECTIONS: dict[str, list[Arg]] = {
         Arg("zero_init_modulation", "bool", True,
             "adaLN-Zero: initialise every modulation gate and the output head to zero, so a new "
             "model starts as the identity. Top-level only; never inside the overrides."),
+        Arg("video_attention_sparsity", "float", 0.0,
+            "Sparse video self-attention (docs/model.md, \"Sparse video attention\"): the "
+            "fraction of video key tiles each query tile skips, in [0, 1). The video tokens are "
+            "grouped into tiles of video_attention_tile latent tokens; each query tile attends "
+            "to the key tiles of highest coarse score (mean q . mean k) and the rest are "
+            "skipped. 0: dense attention, exactly the path without the option. Families with "
+            "the `sparse_video_attention` capability (dit, wan); bidirectional forwards only "
+            "(refused with teacher forcing / KV-cache stages, a causal model, packs and "
+            "cp_size > 1). The weights stay those of a dense model."),
+        Arg("video_attention_tile", "int_list", [2, 8, 8],
+            "The sparse attention's tile [frames, rows, cols] in patch tokens of the latent "
+            "grid (after patching); its volume is the block of tokens selected as a whole. "
+            "FlashAttention 4's block-sparse kernel runs 128-token tiles (2x8x8, 1x8x16, ...); "
+            "another volume runs on SDPA with a token mask."),
+        Arg("video_attention_sparsity_warmup_steps", "int", 0,
+            "Steps over which the sparsity ramps linearly from dense to "
+            "video_attention_sparsity (target x min(1, step / warmup steps)); 0: the target "
+            "from the first step."),
         Arg("pretrained_transformer_path", "path", None,
             "Warm start: a plain state dict (.pt, .safetensors, a directory holding "
             "model_state.pt), a checkpoint-N/ directory, its transformer/ DCP directory, an "

@@ -263,6 +263,14 @@ def write_diffusers(source: ExportSource, out: Path, *, overwrite: bool,
         if other_expert is not None:
             lines.append(_write_expert(spec, other_config, other_expert, merge_lora, tmp, out,
                                        other_slot, max_shard_size, True))
+        sparse = _trained_sparse(source.args)
+        if sampling is not None or sparse is not None:
+            written = {**(sampling or {"format": SAMPLING_FORMAT, "version": 1}), **(sparse or {})}
+            (tmp / SAMPLING_FILE).write_text(json.dumps(written, indent=2) + "\n")
+        if sparse is not None:
+            lines.append(f"wrote {out / SAMPLING_FILE}: trained with sparse video attention "
+                         f"(sparsity {sparse['trained_sparse']['video_attention_sparsity']:g}); "
+                         f"the weights are a dense model's")
         if sampling is not None:
             lines.append(f"wrote {out / SAMPLING_FILE}: a causal model (chunks of "
                          f"{_count(sampling['causal_chunk_size'], 'latent frame')}) distilled for "
@@ -359,6 +367,18 @@ def _refuse_two_time(source: ExportSource) -> None:
         f"what every block computes. Export the Stage2 student distilled from it (its second "
         f"time input is dropped there) with --format diffusers, or this run with --format "
         f"relay (relay sample and relay eval read it).")
+
+
+def _trained_sparse(args) -> dict[str, Any] | None:
+    """SAMPLING_FILE's note on a run trained with sparse video attention, or None."""
+    if not args.get("video_attention_sparsity"):
+        return None
+    return {"trained_sparse": {
+        **{key: args.get(key) for key in ("video_attention_sparsity", "video_attention_tile",
+                                          "video_attention_sparsity_warmup_steps")},
+        "note": "trained with sparse video self-attention (each query tile over its top-k key "
+                "tiles; docs/model.md): the weights are a dense model's, which diffusers and "
+                "relay sample with dense attention."}}
 
 
 def _sampling_settings(spec: DiffusersExport, source: ExportSource) -> dict[str, Any] | None:

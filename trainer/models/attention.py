@@ -345,7 +345,8 @@ class AttentionPlan(NamedTuple):
     kernel: str
     key_lengths: torch.Tensor | None  # int32 [B] (fa4) or None
     # sdpa: bool broadcastable to [B, heads, Nq, Nk]; flex: BlockMask; fa4 / flash_attn over
-    # packed sequences: PackedKeys; else None
+    # packed sequences: PackedKeys; sparse (video attention over chosen key blocks):
+    # trainer.models.sparse_attention.SparseVideo; else None
     mask: Any
 
 
@@ -373,6 +374,8 @@ def attend(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         run = _VARLEN_KERNELS[plan.kernel]
         return run(q[0], k, v, packed.cu_seqlens_q, packed.cu_seqlens_k, packed.max_seqlen_q,
                    packed.max_seqlen_k)[None]
+    if plan.kernel == "sparse":  # sparse video attention (trainer.models.sparse_attention)
+        return plan.mask.attend(q, k, v)
     if plan.kernel == "sdpa":
         return _sdpa(q, k, v, plan.mask)
     if plan.kernel == "flex":

@@ -7,9 +7,10 @@ so it recomputes attention in the backward pass. As registered operators (`relay
 and its backward) they are single nodes in a compiled graph and a name the checkpointing
 policy can keep (trainer/build.py).
 
-Both forms relay runs on FA4 go through here: batched q/k/v [B, N, heads, head_dim] with an
-optional count of used keys per sample (caption padding, `key_lengths`), and packed sequences
-[total, heads, head_dim] with cu_seqlens. The package is imported at the first call, so this
+The forms relay runs on FA4 go through here: batched q/k/v [B, N, heads, head_dim] with an
+optional count of used keys per sample (caption padding, `key_lengths`), packed sequences
+[total, heads, head_dim] with cu_seqlens, and block-sparse attention over chosen 128 x 128
+blocks (`relay::fa4_sparse_forward`, sparse video attention: trainer/models/sparse_attention.py). The package is imported at the first call, so this
 module imports everywhere (CPU machines, login nodes); the operators run only on CUDA.
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["FA4_OPS", "fa4_attention", "fa4_varlen_attention"]
+__all__ = ["FA4_OPS", "fa4_attention", "fa4_varlen_attention", "fa4_sparse_attention"]
 
 
 def _fa4():
@@ -92,8 +93,77 @@ def _backward(ctx, dout, _dlse):
 
 _forward.register_autograd(_backward, setup_context=_setup_context)
 
+
+# ---- block-sparse attention (FA4's block sparsity, every chosen block whole) -----------------
+
+
+def _sparse_tensors(count: Tensor, index: Tensor, block: int):
+    """FA4's block lists: no partially masked blocks, `count` whole blocks per row at `index`."""
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+    none = torch.zeros_like(count)
+    return BlockSparseTensorsTorch(mask_block_cnt=none, mask_block_idx=none[..., None],
+                                   full_block_cnt=count, full_block_idx=index,
+                                   block_size=(block, block))
+
+
+@torch.library.custom_op("relay::fa4_sparse_forward", mutates_args=(), device_types="cuda")
+def _sparse_forward(q: Tensor, k: Tensor, v: Tensor, fwd_count: Tensor, fwd_index: Tensor,
+                    bwd_count: Tensor, bwd_index: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    out, lse, *_ = _fa4()._flash_attn_fwd(
+        q, k, v, block_sparse_tensors=_sparse_tensors(fwd_count, fwd_index, block),
+        return_lse=True)
+    return out, lse
+
+
+@_sparse_forward.register_fake
+def _(q, k, v, fwd_count, fwd_index, bwd_count, bwd_index, block):
+    lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+    return torch.empty_like(q), lse
+
+
+@torch.library.custom_op("relay::fa4_sparse_backward", mutates_args=(), device_types="cuda")
+def _sparse_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        bwd_count: Tensor, bwd_index: Tensor,
+                        block: int) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = _fa4()._flash_attn_bwd(
+        q, k, v, out, dout, lse,
+        block_sparse_tensors=_sparse_tensors(bwd_count, bwd_index, block))[:3]
+    return dq, dk, dv
+
+
+@_sparse_backward_op.register_fake
+def _(dout, q, k, v, out, lse, bwd_count, bwd_index, block):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _sparse_setup_context(ctx, inputs, output):
+    q, k, v, _fc, _fi, bwd_count, bwd_index, block = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], bwd_count, bwd_index)
+    ctx.block = block
+
+
+def _sparse_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, bwd_count, bwd_index = ctx.saved_tensors
+    dq, dk, dv = _sparse_backward_op(dout.contiguous(), q, k, v, out, lse, bwd_count, bwd_index,
+                                     ctx.block)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_sparse_forward.register_autograd(_sparse_backward, setup_context=_sparse_setup_context)
+
+
+def fa4_sparse_attention(q: Tensor, k: Tensor, v: Tensor, fwd_count: Tensor, fwd_index: Tensor,
+                         bwd_count: Tensor, bwd_index: Tensor, block: int) -> Tensor:
+    """FA4 attention of q [B, Nq, heads, head_dim] over k, v [B, Nk, heads, head_dim] restricted
+    to whole block x block blocks: query block i sees key blocks fwd_index[b, h, i, :fwd_count]
+    (int32 [B, heads, q blocks(, k blocks)], ascending); bwd_count / bwd_index the same
+    matrix by key block (the backward's lists). Short last blocks are masked by length."""
+    return _sparse_forward(q, k, v, fwd_count, fwd_index, bwd_count, bwd_index, block)[0]
+
+
 # What trainer/build.py's selective checkpointing keeps (the forward's out and lse).
-FA4_OPS = (torch.ops.relay.fa4_forward,)
+FA4_OPS = (torch.ops.relay.fa4_forward, torch.ops.relay.fa4_sparse_forward)
 
 
 def fa4_attention(q: Tensor, k: Tensor, v: Tensor, key_lengths: Tensor | None = None) -> Tensor:

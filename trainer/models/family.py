@@ -31,6 +31,8 @@ CAPABILITIES: dict[str, str] = {
     "kv_cache": "chunk-by-chunk rollout through a KV cache",
     "two_time": "a second time input (the flow map's r)",
     "context_parallel": "context parallel (cp_size > 1: Ulysses splits the sequence over ranks)",
+    "sparse_video_attention": "sparse video self-attention over the top-k key tiles "
+                              "(video_attention_sparsity > 0)",
 }
 
 

@@ -18,7 +18,7 @@ class DiTFamily(RelayCausalFamily):
 
     name = "dit"
     capabilities = frozenset({"per_frame_times", "packed", "teacher_forcing", "kv_cache",
-                              "two_time", "context_parallel"})
+                              "two_time", "context_parallel", "sparse_video_attention"})
     second_time_keys = ("r_embedder.*",)
     run_config_keys = ("causal_chunk_size", "attn_window_chunks", "two_time", "time_gate",
                        "attention_backend")

@@ -61,6 +61,8 @@ from trainer.models.common.norms import HeadRMSNorm
 from trainer.models.common.rope import apply_rope, grid_positions, rope_tables
 from trainer.models.common.time import conditioning, mix_two_times, timestep_features
 from trainer.models.dit.config import TIME_FREQ_DIM, DiTConfig, dit_geometry
+from trainer.models.sparse_attention import active_settings, sparse_video_plan, tile_order, \
+    to_tiles
 
 __all__ = ["VideoDiT", "compile_transformer_blocks"]
 
@@ -273,6 +275,11 @@ class VideoDiT(CausalForms, nn.Module):
 
     Raises ValueError for an unknown argument (naming the closest valid one) or an invalid value.
     """
+
+    # sparse video attention (trainer.models.sparse_attention): set by the training loop
+    # (set_video_attention_sparsity); None or sparsity 0 is the dense path
+    supports_sparse_video_attention = True
+    sparse_video = None
 
     def __init__(self, **kwargs: Any):
         super().__init__()
@@ -521,10 +528,21 @@ class VideoDiT(CausalForms, nn.Module):
         caption = self._with_text(text, text_mask)
         layout = self._chunk_layout(kind, grid, caption.length)
         n = vid.shape[1]
-        plan = self._video_plan(n, n + caption.length, caption.length, caption.lengths, vid.device,
-                                layout)
+        sparse = active_settings(self, kind)
+        if sparse is None:
+            plan = self._video_plan(n, n + caption.length, caption.length, caption.lengths,
+                                    vid.device, layout)
+        else:  # tile-major order for the blocks, the head output put back (docs/model.md)
+            order = tile_order(grid, sparse.tile, vid.device)
+            vid, positions, slots = to_tiles(order, vid, positions, slots, cond.shape[1]
+                                             if slots is None else slots.shape[0])
+            used = None if caption.lengths is None else caption.lengths + n
+            plan = sparse_video_plan(sparse, self.cfg.attention_backend, num_video=n,
+                                     head_dim=self.cfg.head_dim,
+                                     dtype=self._compute_dtype(vid.device), device=vid.device,
+                                     key_lengths=used)
         out, _ = self._run(vid, cond, slots, positions, plan, caption)
-        return out
+        return out if sparse is None else out[:, order.from_tiles]
 
     def forward_packed(self, xs: list[torch.Tensor], ts: list[Any], texts: list[torch.Tensor],
                        text_masks: list[torch.Tensor], causal: bool | None = None) -> list[torch.Tensor]:

@@ -66,7 +66,7 @@ class WanFamily(RelayCausalFamily):
     name = "wan"
     # Per-frame times come from the per-token time path Wan2.2 TI2V uses.
     capabilities = frozenset({"per_frame_times", "packed", "teacher_forcing", "kv_cache",
-                              "two_time", "context_parallel"})
+                              "two_time", "context_parallel", "sparse_video_attention"})
     second_time_keys = (SECOND_TIME_PREFIX + "*",)
     lora_target_modules = WAN_LORA_TARGETS
     run_config_keys = RELAY_KEYS

@@ -35,7 +35,9 @@ Beyond diffusers' model (docs/model.md, "The wan family"):
   KV-cache rollout (trainer.models.common.causal, shared with the DiT);
 - Ulysses context parallel: the video tokens split over the cp group, self-attention in head
   space; the caption is small and every rank projects it whole, so cross-attention needs no
-  exchange (each rank's queries attend to the whole caption with every head).
+  exchange (each rank's queries attend to the whole caption with every head);
+- sparse video self-attention (`sparse_video`, trainer.models.sparse_attention): the
+  bidirectional forward's self-attention over each query tile's top-k key tiles.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ from trainer.models.common.time import conditioning, mix_two_times, timestep_fea
 from trainer.models.fused_ops import composite_layer_norm_modulate, composite_norm_rope, \
     fused_kernels_apply, layer_norm_modulate, norm_rope
 from trainer.models.matmul_bias import MatmulBiasLinear
+from trainer.models.sparse_attention import active_settings, sparse_video_plan, tile_order, \
+    to_tiles
 from trainer.models.wan.config import WAN_DEFAULTS, rope_axes, wan_geometry
 
 __all__ = ["WanTransformer", "WanBlock"]
@@ -266,6 +270,11 @@ class ConditionEmbedder(nn.Module):
 class WanTransformer(CausalForms, nn.Module):
     """relay's Wan transformer for a complete `wan` config (trainer.models.wan.family). Teacher
     forcing and the KV-cache rollout come from trainer.models.common.causal.CausalForms."""
+
+    # sparse video self-attention (trainer.models.sparse_attention): set by the training loop
+    # (set_video_attention_sparsity); None or sparsity 0 is the dense path
+    supports_sparse_video_attention = True
+    sparse_video = None
 
     def __init__(self, config: dict[str, Any]):
         super().__init__()
@@ -499,10 +508,21 @@ class WanTransformer(CausalForms, nn.Module):
         layout = self._chunk_layout(kind, grid, 0)
         context = self._context(text, text_mask)
         n = tokens.shape[1]
-        out, _ = self._run(tokens, temb, slots, positions, self._plan(n, n, tokens.device, layout),
+        sparse = active_settings(self, kind)
+        if sparse is None:
+            self_plan = self._plan(n, n, tokens.device, layout)
+        else:  # tile-major order for the blocks, the head output put back (docs/model.md)
+            order = tile_order(grid, sparse.tile, tokens.device)
+            tokens, positions, slots = to_tiles(order, tokens, positions, slots, temb.shape[1]
+                                                if slots is None else slots.shape[0])
+            self_plan = sparse_video_plan(sparse, self._config["attention_backend"], num_video=n,
+                                          head_dim=self._config["attention_head_dim"],
+                                          dtype=self._compute_dtype(tokens.device),
+                                          device=tokens.device)
+        out, _ = self._run(tokens, temb, slots, positions, self_plan,
                            self._plan(self._local(n), context.shape[1], tokens.device),
                            context=context)
-        return out
+        return out if sparse is None else out[:, order.from_tiles]
 
     def forward_packed(self, xs: list[torch.Tensor], ts: list[Any], texts: list[torch.Tensor],
                        text_masks: list[torch.Tensor], causal: bool | None = None
