@@ -16,6 +16,9 @@ In one process, on one GPU, with the same batch, tokens, dtype and optimizer:
    - `relay-wan`: relay's `wan` family, the Wan architecture itself, through relay's kernels;
    - `relay-wan-lora`: the same model as a LoRA of rank `--lora-rank` (the family's default
      targets: q/k/v/out of both attentions) over its own random weights as the frozen base;
+   - `relay-wan-sparse`: relay-wan with sparse video self-attention
+     (`video_attention_sparsity`, trainer/models/sparse_attention.py) at each of `--sparsity`
+     (one run per value, named relay-wan-sparse@S) with tiles of `--sparse-tile`;
    - `wan`: diffusers' `WanTransformer3DModel` as shipped (its attention through
      `dispatch_attention_fn`, PyTorch SDPA by default);
    - `wan-fa4`: the same diffusers model with relay's FA4 operator
@@ -79,7 +82,7 @@ SIZES = {
     "tiny": dict(hidden=64, heads=2, layers=2, ffn=160, latent=(4, 3, 8, 8), text=8, text_dim=32),
 }
 PATCH = (1, 2, 2)
-MODELS = ("relay", "relay-wan", "relay-wan-lora", "wan", "wan-fa4")
+MODELS = ("relay", "relay-wan", "relay-wan-lora", "relay-wan-sparse", "wan", "wan-fa4")
 ATTENTION_KERNELS = re.compile(r"flash|fmha|attn|attention|sdpa|cudnn.*(sdpa|mha)", re.IGNORECASE)
 
 
@@ -135,7 +138,8 @@ class FixedBatches:
 
 
 def relay_args(size: dict, mode: str, checkpointing: str, attention: str, workdir: str,
-               family: str = "dit", lora_base: str | None = None, lora_rank: int = 0):
+               family: str = "dit", lora_base: str | None = None, lora_rank: int = 0,
+               sparsity: float = 0.0, tile: tuple = (2, 8, 8)):
     """train.py's arguments for this run, through train.py's own parser (a LoRA run of rank
     `lora_rank` over the frozen base in the safetensors file `lora_base`)."""
     from trainer.resolve import resolve_config
@@ -152,6 +156,9 @@ def relay_args(size: dict, mode: str, checkpointing: str, attention: str, workdi
             "--enable_gradient_checkpointing", str(checkpointing != "off").lower(),
             "--use_dedicated_gradient_checkpointing", str(checkpointing == "selective").lower(),
             "--output_dir", workdir, "--data_path", workdir, "--validation_interval", "-1"]
+    if sparsity:
+        argv += ["--video_attention_sparsity", str(sparsity), "--video_attention_tile",
+                 json.dumps(list(tile))]
     if lora_rank:
         argv += ["--lora_rank", str(lora_rank), "--pretrained_transformer_path", lora_base,
                  "--load_transformer_weights", "true"]
@@ -160,7 +167,8 @@ def relay_args(size: dict, mode: str, checkpointing: str, attention: str, workdi
 
 
 def build_relay(size: dict, mode: str, checkpointing: str, attention: str, device, workdir: str,
-                family: str = "dit", lora_rank: int = 0):
+                family: str = "dit", lora_rank: int = 0, sparsity: float = 0.0,
+                tile: tuple = (2, 8, 8)):
     """(step function, parameter count, model config) of relay's FlowMatchingStage on the
     family's model (relay's DiT, or its wan family); with `lora_rank`, a LoRA of the family's
     default targets over the model's own random weights, saved as its frozen base first."""
@@ -171,7 +179,8 @@ def build_relay(size: dict, mode: str, checkpointing: str, attention: str, devic
     from trainer.stages.fm import FlowMatchingStage
 
     base = str(Path(workdir) / "base.safetensors")
-    args = relay_args(size, mode, checkpointing, attention, workdir, family)
+    args = relay_args(size, mode, checkpointing, attention, workdir, family, sparsity=sparsity,
+                      tile=tile)
     with torch.device(device):  # initialised on the GPU: 1.5 B parameters are slow on the host
         model = family_of(args).build(model_config(args))
     if lora_rank:  # as build_trained_model does: the frozen base and its adapters first
@@ -181,6 +190,10 @@ def build_relay(size: dict, mode: str, checkpointing: str, attention: str, devic
         args = relay_args(size, mode, checkpointing, attention, workdir, family, base, lora_rank)
         model = prepare_lora(model, args)
     model = prepare_for_training(model, args)
+    if sparsity:  # as train.py's loop sets it before each step (here: the target throughout)
+        from trainer.models.sparse_attention import set_video_attention_sparsity
+
+        set_video_attention_sparsity(model, sparsity, tile)
     optimizer, scheduler = build_optimization(args, model, max_steps=args.max_steps)
     ema = build_ema(args, model)
     stage = FlowMatchingStage(model, model, optimizer, scheduler, ema,
@@ -391,6 +404,8 @@ def profile_step(step, index: int, device, top: int = 60) -> dict:
 def run_one(spec: str, size_name: str, args, device, ceiling_tflops: float | None) -> dict:
     """Build, warm up, time (and maybe profile) one `model:mode:checkpointing` run."""
     model_name, mode, checkpointing = spec.split(":")
+    model_name, _, sparsity = model_name.partition("@")  # relay-wan-sparse@0.9
+    sparsity = float(sparsity or 0)
     size = SIZES[size_name]
     result = {"run": spec, "size": size_name, "model": model_name, "mode": mode,
               "checkpointing": checkpointing, "video_tokens": video_tokens(size),
@@ -403,7 +418,9 @@ def run_one(spec: str, size_name: str, args, device, ceiling_tflops: float | Non
                 family = "dit" if model_name == "relay" else "wan"
                 lora = args.lora_rank if model_name == "relay-wan-lora" else 0
                 step, params, config = build_relay(size, mode, checkpointing, args.attention, device,
-                                                   workdir, family, lora)
+                                                   workdir, family, lora, sparsity,
+                                                   tuple(args.sparse_tile))
+                result["sparsity"] = sparsity
                 result["trainable_parameters"] = sum(p.numel() for p in step.params if p.requires_grad)
                 forward = model_forward_flops(family, config, video_tokens(size), size["text"])
             else:
@@ -485,6 +502,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora-rank", type=int, default=32,
                         help="the rank of relay-wan-lora runs (the wan family's default targets)")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--sparsity", default="0.5,0.8,0.9",
+                        help="relay-wan-sparse runs: one run per comma-separated sparsity")
+    parser.add_argument("--sparse-tile", default="2,8,8",
+                        help="relay-wan-sparse runs: the tile, frames,rows,cols in tokens")
     parser.add_argument("--attention", default="auto", help="relay's attention_backend")
     parser.add_argument("--profile", default="", help="runs to profile one extra step of")
     parser.add_argument("--matmul-size", type=int, default=8192)
@@ -517,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     functorch_config.activation_memory_budget = args.activation_memory_budget
     trainer.models.common.compiling.ACTIVATION_MEMORY_BUDGET = args.activation_memory_budget
     args.profile = [p for p in args.profile.split(",") if p]
+    args.sparse_tile = [int(x) for x in args.sparse_tile.split(",")]
     runs = [r for r in args.runs.split(",") if r]
     for spec in runs + args.profile:
         parts = spec.split(":")
@@ -548,6 +570,9 @@ def main(argv: list[str] | None = None) -> int:
         for row in report["attention_kernels"]:
             print("attention", json.dumps(row), flush=True)
         save()
+    sparse = [f"relay-wan-sparse@{s}{spec[len('relay-wan-sparse'):]}" for spec in runs
+              if spec.startswith("relay-wan-sparse:") for s in args.sparsity.split(",")]
+    runs = [r for r in runs if not r.startswith("relay-wan-sparse:")] + sparse
     for spec in runs:
         result = run_one(spec, args.size, args, device, report["matmul"]["tflops"])
         report["runs"].append(result)
