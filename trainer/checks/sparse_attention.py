@@ -5,9 +5,9 @@ does not run (docs/model.md, "Sparse video attention").
 It runs the bidirectional forward's video self-attention only: tiles of one sample's latent grid,
 every query tile over its top-k key tiles, in tile-major order for the whole forward pass. So
 it is refused, each in one paragraph saying what and how to fix, for
-- a stage that calls teacher forcing or the KV-cache rollout (Stage1 `tf_anyflow`, Stage2
-  `dmd_sgf`): their block-causal masks over [clean | noisy] chunks and cached keys are another
-  sparsity pattern, which the tile selection does not compose with;
+- a stage that calls teacher forcing or the KV-cache rollout (the causal distillation stages):
+  their block-causal masks over [clean | noisy] chunks and cached keys are another sparsity
+  pattern, which the tile selection does not compose with;
 - a causal model (`causal_chunk_size` set), whose plain forward is block-causal too;
 - packed batches (`packing_token_budget`, or data of mixed shapes): FA4's block-sparse backward
   has no varlen form, and one pack holds several grids;
@@ -46,7 +46,7 @@ def validate_sparse_attention(args: ResolvedArgs) -> None:
     from trainer.checks.stage import _needs_of_the_data
     from trainer.models.family import CAPABILITIES
     from trainer.models.registry import family_of, model_config
-    from trainer.stages.registry import stage_of
+    from trainer.stages.registry import builtin_stages, stage_of
 
     family = family_of(args)
     fix = "set video_attention_sparsity: 0 (dense attention)"
@@ -56,14 +56,18 @@ def validate_sparse_attention(args: ResolvedArgs) -> None:
             f"{CAPABILITIES['sparse_video_attention']}, which model family {family.name!r} "
             f"cannot do. Train with a family that has it (model_family: wan or dit), or {fix}.")
     stage = stage_of(args)
-    causal = [c for c in ("teacher_forcing", "kv_cache") if c in stage.capabilities]
+    causal_forms = ("teacher_forcing", "kv_cache")
+    causal = [c for c in causal_forms if c in stage.capabilities]
     if causal:
+        bidirectional = " or ".join(d.name for d in builtin_stages()
+                                    if not set(causal_forms) & set(d.capabilities))
         raise ConfigError(
             f"video_attention_sparsity {sparsity:g}: stage {args.stage} runs "
             f"{' and '.join(CAPABILITIES[c] for c in causal)}, which sparse video attention "
             f"does not support (it selects key tiles within one bidirectional forward; the "
             f"block-causal masks over [clean | noisy] chunks and the cached keys are another "
-            f"pattern). Train the sparse model with stage fm (pretrain, SFT or LoRA), and run "
+            f"pattern). Train the sparse model with stage {bidirectional} (pretrain, SFT or "
+            f"LoRA), and run "
             f"this stage with {fix}.")
     geometry = family.geometry(model_config(args))
     if geometry.causal_chunk_frames is not None:

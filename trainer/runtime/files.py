@@ -16,7 +16,9 @@ def write_json(path: str | os.PathLike, data: Any) -> None:
     """Write `data` as indented JSON to `path` (creating its directory) via a temp file + rename."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
+    # a name of this writer's own: ranks that publish the same small file at once (the encode
+    # plan) must not rename each other's temp file away
+    tmp = target.with_name(f"{target.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
     os.replace(tmp, target)
 
