@@ -485,6 +485,53 @@ def test_fused_residual_matches_the_guided_target_divided_by_w():
     assert torch.allclose(residual[1], c[1] - v[1], atol=1e-12)
 
 
+def test_teacher_guided_residual_is_the_data_target_plus_the_teacher_direction():
+    # anyflow_guidance_reference: teacher: target v + (w - 1) D, where D = T(. | c) - T(. | null)
+    # at the sample's (z, t); not divided by w, and the student's null branch is not asked
+    x0, noise, _, _ = data()
+    t, r = per_frame([700.0, 400.0]), per_frame([300.0, 400.0])
+    c, d = torch.full_like(x0, 0.3), torch.full_like(x0, 0.05)
+    seen = []
+
+    def delta_fn(z, tt):
+        seen.append((z.clone(), tt.clone()))
+        return d + 0 * z
+
+    u_fn = lambda z, tt, rr: c + 0 * z
+    w = torch.tensor([3.0, 1.0], dtype=torch.float64)
+    residual, _ = anyflow_residual(u_fn, x0, noise, t, r, epsilon=5.0, guidance=w,
+                                   delta_fn=delta_fn)
+    v = noise - x0
+    assert torch.allclose(residual[0], c[0] - (v[0] + 2.0 * d[0]), atol=1e-12)
+    assert torch.allclose(residual[1], c[1] - v[1], atol=1e-12)
+    (z, tt), = seen
+    assert torch.equal(tt, t)  # the teacher sees the noisy clip at the sample's own times
+    assert torch.allclose(z, x0 + (noise - x0) * (t / 1000.0)[:, None, :, None, None])
+
+
+def test_a_guidance_teacher_replaces_the_students_null_branch_in_the_batch_loss():
+    torch.manual_seed(3)
+    teacher = VideoDiT(**TINY).double().eval().requires_grad_(False)  # bidirectional, single-time
+    calls = []
+    teacher.register_forward_hook(lambda m, a, kw, out: calls.append(a), with_kwargs=True)
+    torch.manual_seed(0)
+    x0, _, text, mask = data(1)
+    batch = {"latents": torch.cat([x0, x0]), "text": torch.cat([text, text]),
+             "text_mask": torch.cat([mask, mask])}
+    null_text, null_mask = torch.zeros(L, D_TEXT, dtype=torch.float64), torch.zeros(L, dtype=torch.bool)
+    null_mask[0] = True
+    recorder = RecordingTF(tiny())
+    loss, _ = anyflow_batch_loss(recorder, batch, AnyFlowSettings.of(stage_args()), null_text,
+                                 null_mask, num_tokens=T * 4, draws=SampleDraws(0, 0, range(4)),
+                                 teacher=teacher)
+    assert len(recorder.calls) == 4  # u, v_hat, u+, u-: no null branch of the student
+    (x, t, txt, msk), = calls  # one batched forward: [cond; null]
+    assert x.shape[0] == 8 and torch.equal(txt[4], null_text) and torch.equal(txt[0], batch["text"][0])
+    assert torch.equal(t[:4], recorder.calls[0].t)  # the student's per-frame times
+    loss.backward()
+    assert all(p.grad is None for p in teacher.parameters())
+
+
 def test_anchored_frame_gets_zero_time_zero_loss_and_zero_gradient():
     model = tiny()
     _, _, calls, batch, _ = run_batch_loss(model, image_cond_prob=1.0)
@@ -669,6 +716,25 @@ def test_stage1_config_checks_its_ratios_and_guidance():
     assert args.stage == "tf_anyflow" and args.pretrained_weights == "ema"
 
 
+def test_a_guidance_teacher_needs_fused_guidance_and_is_kept_out_of_checkpoints():
+    from trainer.stages.registry import stage_of
+
+    with pytest.raises(ConfigError, match="would do nothing"):
+        resolve_config(str(REPO / "config/tiny/stage1.yaml"),
+                       {"anyflow_guidance_reference": "teacher",
+                        "anyflow_fuse_guidance_scale": 1.0}, cwd=REPO)
+    args = resolve_config(str(REPO / "config/tiny/stage1.yaml"),
+                          {"anyflow_guidance_reference": "teacher"}, cwd=REPO)
+    declaration = stage_of(args)
+    assert declaration.frozen_roles(args) == {
+        "teacher": (args.pretrained_transformer_path, args.pretrained_weights,
+                    "pretrained_transformer_path")}
+    assert [r.name for r in declaration.memory_roles(True, args)] == ["transformer", "teacher"]
+    plain = resolve_config(str(REPO / "config/tiny/stage1.yaml"), {}, cwd=REPO)
+    assert stage_of(plain).frozen_roles(plain) == {}
+    assert [r.name for r in stage_of(plain).memory_roles(True, plain)] == ["transformer"]
+
+
 # ---- end to end --------------------------------------------------------------------------------
 
 
@@ -678,23 +744,33 @@ def run(cmd, cwd):
     return proc
 
 
-def test_stage1_trains_from_an_fm_checkpoint_and_its_checkpoint_samples(tmp_path):
+# the tiny configs' architecture, made smaller so the tests stay short on a busy CPU
+SMALL = ("in_channels: 3, hidden_size: 32, num_attention_heads: 2, num_layers: 2, "
+         "patch_size: [1, 4, 4], rope_axes_dim: [4, 4, 8], text_dim: 32")
+CAUSAL = "{" + SMALL + ", causal_chunk_size: 2, two_time: true, time_gate: 0.25}"
+
+
+@pytest.fixture(scope="module")
+def fm_run(tmp_path_factory) -> tuple[Path, list[str]]:
+    """A 3-step FM run with EMA on synthetic data: (its output_dir, the data flags)."""
+    tmp = tmp_path_factory.mktemp("fm")
+    common = ["--synthetic_num_samples", "64", "--data_path", str(tmp / "data"),
+              "--log_interval", "1"]
+    run([sys.executable, "trainer/train.py", "--config", "config/tiny/pretrain.yaml",
+         "--max_steps", "3", "--train_batch_size", "4", "--use_ema", "true",
+         "--validation_interval", "-1", "--transformer_config_overrides", "{" + SMALL + "}",
+         "--output_dir", str(tmp / "fm"), *common], REPO)
+    return tmp / "fm", common
+
+
+def test_stage1_trains_from_an_fm_checkpoint_and_its_checkpoint_samples(tmp_path, fm_run):
     py = sys.executable
-    data_dir = tmp_path / "data"
-    common = ["--synthetic_num_samples", "64", "--data_path", str(data_dir), "--log_interval", "1"]
-    # the tiny configs' architecture, made smaller so the test stays short on a busy CPU
-    small = ("in_channels: 3, hidden_size: 32, num_attention_heads: 2, num_layers: 2, "
-             "patch_size: [1, 4, 4], rope_axes_dim: [4, 4, 8], text_dim: 32")
-    run([py, "trainer/train.py", "--config", "config/tiny/pretrain.yaml", "--max_steps", "3",
-         "--train_batch_size", "4", "--use_ema", "true", "--validation_interval", "-1",
-         "--transformer_config_overrides", "{" + small + "}",
-         "--output_dir", str(tmp_path / "fm"), *common], REPO)
+    fm, common = fm_run
     out = tmp_path / "stage1"
     run([py, "trainer/train.py", "--config", "config/tiny/stage1.yaml", "--max_steps", "2",
          "--train_batch_size", "4", "--warmup_steps", "0", "--pretrained_transformer_path",
-         str(tmp_path / "fm"), "--validation_num_captions", "2", "--output_dir", str(out),
-         "--transformer_config_overrides",
-         "{" + small + ", causal_chunk_size: 2, two_time: true, time_gate: 0.25}", *common], REPO)
+         str(fm), "--validation_num_captions", "2", "--output_dir", str(out),
+         "--transformer_config_overrides", CAUSAL, *common], REPO)
     warm = json.loads((out / "warm-start.json").read_text())
     assert warm["second_time"] == "copied from the first"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -707,3 +783,27 @@ def test_stage1_trains_from_an_fm_checkpoint_and_its_checkpoint_samples(tmp_path
     proc = run([py, "-m", "launcher.cli", "sample", "--checkpoint", str(out), "--steps", "2",
                 "--prompt", "a red square moving left", "--out", str(tmp_path / "clip")], REPO)
     assert (tmp_path / "clip" / "frames.npy").is_file(), proc.stdout
+
+
+def test_a_teacher_guided_stage1_keeps_its_teacher_out_of_checkpoints_and_resumes(tmp_path, fm_run):
+    fm, common = fm_run
+    out = tmp_path / "stage1"
+    argv = [sys.executable, "trainer/train.py", "--config", "config/tiny/stage1.yaml",
+            "--train_batch_size", "4", "--warmup_steps", "0", "--pretrained_transformer_path",
+            str(fm), "--validation_interval", "-1", "--output_dir", str(out),
+            "--anyflow_guidance_reference", "teacher", "--save_interval", "2",
+            "--transformer_config_overrides", CAUSAL, *common]
+    run([*argv, "--max_steps", "2"], REPO)
+    report = json.loads((out / "warm-start.json").read_text())
+    assert set(report["roles"]) == {"transformer", "teacher"}
+    checkpoint = out / "checkpoint-2"
+    complete = json.loads((checkpoint / "COMPLETE").read_text())
+    assert "transformer" in complete["members"] and "teacher" not in complete["members"]
+    frozen = json.loads((checkpoint / "frozen-roles.json").read_text())
+    assert list(frozen) == ["teacher"] and frozen["teacher"]["path"] == str(fm)
+    proc = run([*argv, "--max_steps", "3"], REPO)
+    log = proc.stdout + proc.stderr
+    assert "resumed from" in log and "the frozen teacher is not in it; loaded again" in log
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) for r in records)

@@ -668,7 +668,7 @@ def describe_plan(args: ResolvedArgs, world_size: int, ranks_per_node: int | Non
         checkpointing=args.enable_gradient_checkpointing,
         selective=args.use_dedicated_gradient_checkpointing, pack_budget=budget,
         lora=lora_enabled(args), lora_params=adapter_params(args),
-        gradient_accumulation_steps=accum)
+        gradient_accumulation_steps=accum, args=args)
     if budget is None:
         batch = (f"global batch: train_batch_size {args.train_batch_size} x gradient accumulation "
                  f"{accum} x dp {mesh.dp_world} = {args.train_batch_size * accum * mesh.dp_world} "

@@ -35,25 +35,29 @@ def read_recorded_frozen(checkpoint: str | Path) -> dict[str, dict[str, Any]]:
 
 
 def check_frozen_sources(args: Mapping[str, Any], checkpoint: Path | None,
-                         frozen: Mapping[str, tuple[str, str]]) -> dict[str, dict[str, Any]]:
+                         frozen: Mapping[str, tuple[str, str, str]]) -> dict[str, dict[str, Any]]:
     """The references of this run's frozen roles now, to record in its checkpoints: `frozen`,
-    role -> (source path, weights) of the roles its stage keeps out of its checkpoints
-    (StageDeclaration.frozen_roles). Raises
+    role -> (source path, weights, the key that names the path) of the roles its stage keeps
+    out of its checkpoints (StageDeclaration.frozen_roles). Raises
     CheckpointError, in one paragraph, when a source cannot be read, or when `checkpoint` (the
     one a resume starts from) left a role out and that role's source changed since (checked
-    also when this run saves that role itself: the resume loads it from its source)."""
+    also when this run saves that role itself: the resume loads it from its source). A role
+    the checkpoint left out that this run has no source for (no `<role>_init_path`) is not
+    needed by it and is not checked."""
     recorded = read_recorded_frozen(checkpoint) if checkpoint is not None else {}
     references = {}
     for role in sorted(set(frozen) | set(recorded)):
-        path, weights = frozen.get(role) or (args[f"{role}_init_path"],
-                                             args[f"{role}_init_weights"])
+        source = frozen.get(role) or _declared_source(args, role)
+        if source is None:
+            continue
+        path, weights, key = source
         saved = recorded.get(role)
         try:
             current = base_reference(path, weights, previous=saved)
         except CheckpointError as exc:
             raise CheckpointError(
-                f"Stage2 loads its frozen {role} from {role}_init_path ({path}) at every start, "
-                f"a resume included, but it cannot be read: {exc}. Point {role}_init_path at "
+                f"the run loads its frozen {role} from {key} ({path}) at every start, "
+                f"a resume included, but it cannot be read: {exc}. Point {key} at "
                 f"those weights (a copy elsewhere is fine)"
                 + (f"; {checkpoint.name} does not hold the {role}" if saved else "")
                 + ".") from None
@@ -61,12 +65,20 @@ def check_frozen_sources(args: Mapping[str, Any], checkpoint: Path | None,
         if change:
             raise CheckpointError(
                 f"the frozen {role} changed since {checkpoint.name} was saved: it was loaded "
-                f"from {saved.get('root')} (digest {saved.get('digest')}), and {role}_init_path "
+                f"from {saved.get('root')} (digest {saved.get('digest')}), and {key} "
                 f"{path} now holds {current['root']} (digest {current['digest']}; {change}). "
-                f"The checkpoint does not hold the {role} (it was saved with "
-                f"save_frozen_teacher: false), so resuming would go on against other weights. "
-                f"Point {role}_init_path at the weights the run started from (a copy elsewhere "
-                f"is fine), or start a new Stage2 in another output_dir.")
+                f"The checkpoint does not hold the {role} (frozen roles are kept out of "
+                f"checkpoints and loaded again from their source), so resuming would go on "
+                f"against other weights. Point {key} at the weights the run started from (a "
+                f"copy elsewhere is fine), or start a new run in another output_dir.")
         if role in frozen:
             references[role] = current
     return references
+
+
+def _declared_source(args: Mapping[str, Any], role: str) -> tuple[str, str, str] | None:
+    """A role's own source keys (`<role>_init_path`), where the run names one."""
+    key = f"{role}_init_path"
+    if not args.get(key):
+        return None
+    return args[key], args.get(f"{role}_init_weights", "ema"), key

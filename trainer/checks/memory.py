@@ -143,14 +143,15 @@ def estimate_memory(family, cfg: dict, *, stage: str, use_muon: bool, use_ema: b
                     text_tokens: int, checkpointing: bool,
                     selective: bool = False, pack_budget: int | None = None,
                     lora: bool = False, lora_params: int | None = None,
-                    gradient_accumulation_steps: int = 1) -> MemoryEstimate:
+                    gradient_accumulation_steps: int = 1, args=None) -> MemoryEstimate:
     """The memory one GPU needs for a step of `stage` (see the module docstring); with
     `pack_budget` (packing_token_budget) a micro-batch is one pack of that many joint tokens
     and batch_per_rank is not used. `family` (trainer.models.family) counts the parameters of
     the model `cfg` describes and gives its width and depth. `lora`: the trained role is a
     frozen base with `lora_params` adapter parameters (None: not known here, not counted).
     `gradient_accumulation_steps` > 1: the gradients live across the micro-batches' forwards,
-    so they add to the activations instead of sharing the peak with them."""
+    so they add to the activations instead of sharing the peak with them. `args`: the run's
+    arguments, for roles that depend on them (Stage1's guidance teacher)."""
     counts = family.param_counts(cfg)
     geometry = family.geometry(cfg)
     p, per_block = counts.total, counts.per_block
@@ -160,7 +161,7 @@ def estimate_memory(family, cfg: dict, *, stage: str, use_muon: bool, use_ema: b
     states = 0.0
     grads, grads_of = 0.0, None  # the largest trained role's gradients, and its name
     declaration = get_stage(stage)
-    for role in declaration.memory_roles(use_ema):
+    for role in declaration.memory_roles(use_ema, args):
         if lora and role.trained:
             role_gib, role_grads, line = _lora_role(role, p, lora_params, use_muon, shard_group)
         else:

@@ -332,6 +332,13 @@ SECTIONS: dict[str, list[Arg]] = {
         Arg("anyflow_fuse_guidance_scale", "float", 1.0,
             "Guidance fused into the target, w: target = w v_c + (1 - w) u(t, t | null). "
             "1 = no fusion."),
+        Arg("anyflow_guidance_reference", "str", "student",
+            "What gives the fused guidance's direction: student (target = w v + (1 - w) "
+            "u(t, t | null), the model's own null prediction; the data noise in the target "
+            "grows w-fold) or teacher (target = v + (w - 1) (T(x_t | c) - T(x_t | null)) from "
+            "a frozen bidirectional copy of the warm-start weights; the noise stays the "
+            "data's). Needs anyflow_fuse_guidance_scale != 1.",
+            choices=("student", "teacher")),
         Arg("anyflow_pair_sampler", "str", "v15",
             "(t, r) sampler: v15 (t ~ U, r = u2 t) or nvlabs (t = max, r = min of two uniforms).",
             choices=("v15", "nvlabs")),

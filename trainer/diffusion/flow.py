@@ -422,6 +422,14 @@ def guided(model_fn, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor, mask:
     """The guided prediction u + w (c - u), with both branches in one batched forward."""
     if guidance == 1.0:
         return model_fn(x, t, text, mask, **kw)
+    cond, uncond = both_branches(model_fn, x, t, text, mask, null_text, null_mask, **kw)
+    return uncond + guidance * (cond - uncond)
+
+
+def both_branches(model_fn, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor,
+                  mask: torch.Tensor, null_text: torch.Tensor, null_mask: torch.Tensor,
+                  **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """(c, u): the conditional and the null-caption predictions, in one batched forward."""
     b = x.shape[0]
     null_text = null_text.to(text).expand(b, -1, -1)
     null_mask = null_mask.to(mask.device).expand(b, -1)
@@ -430,7 +438,7 @@ def guided(model_fn, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor, mask:
     masks = torch.cat([_pad(mask, length), _pad(null_mask, length)])
     kw2 = {k: torch.cat([v, v]) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     cond, uncond = model_fn(torch.cat([x, x]), torch.cat([t, t]), texts, masks, **kw2).chunk(2)
-    return uncond + guidance * (cond - uncond)
+    return cond, uncond
 
 
 def _pad(x: torch.Tensor, length: int) -> torch.Tensor:

@@ -105,8 +105,9 @@ class StageDeclaration:
     health_watches_samples: bool = False
     health_watches_critic: bool = False
 
-    def memory_roles(self, use_ema: bool) -> tuple[MemoryRole, ...]:
-        """The models one GPU holds for a step (trainer.checks.memory)."""
+    def memory_roles(self, use_ema: bool, args=None) -> tuple[MemoryRole, ...]:
+        """The models one GPU holds for a step (trainer.checks.memory); `args`, the run's
+        arguments where known (None: the stage's default roles)."""
         return (MemoryRole("transformer", True, use_ema),)
 
     def sampling(self, args) -> SamplingPlan:
@@ -123,9 +124,9 @@ class StageDeclaration:
         with the setting that removes the need."""
         return []
 
-    def frozen_roles(self, args) -> dict[str, tuple[str, str]]:
-        """role -> (source path, weights) of the roles the run keeps out of its checkpoints
-        (trainer.checkpoint.frozen_roles)."""
+    def frozen_roles(self, args) -> dict[str, tuple[str, str, str]]:
+        """role -> (source path, weights, the key naming the path) of the roles the run keeps
+        out of its checkpoints (trainer.checkpoint.frozen_roles)."""
         return {}
 
     def read_weight_keys(self, args) -> tuple[WeightKey, ...]:

@@ -15,6 +15,12 @@ from trainer.stages.declaration import MemoryRole, SamplingPlan, StageDeclaratio
 DMD_ROLES = ("student", "teacher", "critic")
 
 
+def teacher_guided(args) -> bool:
+    """Whether Stage1 takes its fused guidance's direction from a frozen teacher."""
+    return (args.get("anyflow_guidance_reference", "student") == "teacher"
+            and args.get("anyflow_fuse_guidance_scale", 1.0) != 1.0)
+
+
 class FlowMatching(StageDeclaration):
     """Pretrain / SFT: one transformer regressing the velocity at one noise level per sample."""
 
@@ -46,6 +52,19 @@ class TFAnyFlow(StageDeclaration):
                             args.flowmap_sampling_steps,
                             1.0 if fused else args.validation_guidance,
                             args.train_timestep_shift)
+
+    def memory_roles(self, use_ema: bool, args=None) -> tuple[MemoryRole, ...]:
+        roles = (MemoryRole("transformer", True, use_ema),)
+        if args is not None and teacher_guided(args):
+            roles += (MemoryRole("teacher", False),)
+        return roles
+
+    def frozen_roles(self, args) -> dict[str, tuple[str, str, str]]:
+        """The guidance teacher (the warm-start weights), loaded again from its source on resume."""
+        if teacher_guided(args):
+            return {"teacher": (args["pretrained_transformer_path"], args["pretrained_weights"],
+                                "pretrained_transformer_path")}
+        return {}
 
     def null_caption_uses(self, args) -> list[str]:
         if args.get("anyflow_fuse_guidance_scale", 1.0) != 1.0:
@@ -87,6 +106,18 @@ class TFAnyFlow(StageDeclaration):
             raise ConfigError(f"`anyflow_fuse_guidance_scale` must be > 0 (the residual is "
                               f"divided by it; 1 = no fusion), got "
                               f"{args.anyflow_fuse_guidance_scale}.")
+        if args.anyflow_guidance_reference == "teacher":
+            if args.anyflow_fuse_guidance_scale == 1.0:
+                raise ConfigError(
+                    "anyflow_guidance_reference: teacher gives the direction of the guidance "
+                    "fused into Stage1's target, and anyflow_fuse_guidance_scale is 1 (no "
+                    "fusion), so it would do nothing. Set anyflow_fuse_guidance_scale to the "
+                    "teacher's CFG (e.g. 4), or anyflow_guidance_reference: student.")
+            if not args.load_transformer_weights or args.pretrained_transformer_path is None:
+                raise ConfigError(
+                    "anyflow_guidance_reference: teacher runs a frozen copy of the weights "
+                    "Stage1 starts from, and none are named: set load_transformer_weights: "
+                    "true and pretrained_transformer_path to the SFT output_dir.")
         if args.flowmap_sampling_steps < 1:
             raise ConfigError(f"`flowmap_sampling_steps` must be at least 1, got "
                               f"{args.flowmap_sampling_steps}.")
@@ -117,7 +148,7 @@ class DMDSGF(StageDeclaration):
     health_watches_samples = True
     health_watches_critic = True
 
-    def memory_roles(self, use_ema: bool) -> tuple[MemoryRole, ...]:
+    def memory_roles(self, use_ema: bool, args=None) -> tuple[MemoryRole, ...]:
         return (MemoryRole("student", True, use_ema), MemoryRole("critic", True),
                 MemoryRole("teacher", False))
 
@@ -133,10 +164,11 @@ class DMDSGF(StageDeclaration):
                     f"0 scores with the unguided teacher)"]
         return []
 
-    def frozen_roles(self, args) -> dict[str, tuple[str, str]]:
+    def frozen_roles(self, args) -> dict[str, tuple[str, str, str]]:
         """The teacher, unless save_frozen_teacher asks for it in every checkpoint."""
         if not args.get("save_frozen_teacher", False):
-            return {"teacher": (args["teacher_init_path"], args["teacher_init_weights"])}
+            return {"teacher": (args["teacher_init_path"], args["teacher_init_weights"],
+                                "teacher_init_path")}
         return {}
 
     def check(self, args, family, config: dict[str, Any]) -> None:

@@ -28,10 +28,11 @@ import torch
 from torch import nn
 
 from trainer.diffusion import flow
-from trainer.models.registry import family_of
+from trainer.models.registry import family_of, model_config
 from trainer.parallel.distributed import gather_across_ranks, sum_across_ranks
 from trainer.checkpoint.layout import CheckpointError
 from trainer.stages.base import WarmStartSource
+from trainer.stages.declarations import teacher_guided
 from trainer.diffusion.sample_draws import SampleDraws
 from trainer.stages.fm import FlowMatchingStage, sample_condition_frames
 
@@ -213,33 +214,44 @@ def anyflow_residual(u_fn: VelocityFn, x0: torch.Tensor, noise: torch.Tensor,
                      t: torch.Tensor, r: torch.Tensor, *, epsilon: float,
                      frame_mask: torch.Tensor | None = None,
                      guidance: torch.Tensor | float = 1.0,
-                     u_null_fn: VelocityFn | None = None) -> tuple[torch.Tensor, dict]:
+                     u_null_fn: VelocityFn | None = None,
+                     delta_fn: GuidanceDeltaFn | None = None) -> tuple[torch.Tensor, dict]:
     """The v1.5 residual ("Flow-map loss"): [B, C, T, H, W] in float32 (float64 for float64 latents).
 
     x0, noise: [B, C, T, H, W]; t, r: raw times per frame [B, T] (clean frames 0, r <= t);
     z = (1 - t/N) x0 + (t/N) noise. Calls, in order: u(z, t, r) with gradients, then without:
     v = u(z, t, t), u(z + v (t+ - t)/N, t+, r), u(z - v (t - t-)/N, t-, r), and u_null(z, t, t)
     when any guidance weight differs from 1. guidance: w per sample [B] or one number.
+    delta_fn(z, t) -> D: with it, the guidance's direction comes from D (a frozen teacher's
+    T(z | c) - T(z | null)) instead of u_null: target v + (w - 1) D, undivided.
     Returns (residual, {"u": the prediction with gradients, "window": t+ - t-}); the residual
     is exactly u - (noise - x0) where t = r and w = 1. Raises ValueError without u_null_fn
-    when guidance needs it.
+    or delta_fn when guidance needs one.
     """
     def one_group(fn):
         return None if fn is None else (lambda zs, ts, rs: [fn(zs[0], ts[0], rs[0])])
 
+    def one_delta(fn):
+        return None if fn is None else (lambda zs, ts: [fn(zs[0], ts[0])])
+
     residuals, extra = anyflow_residual_groups(
         one_group(u_fn), [x0], [noise], [t], [r], epsilon=epsilon, frame_masks=[frame_mask],
-        guidance=[guidance], u_null_fn=one_group(u_null_fn))
+        guidance=[guidance], u_null_fn=one_group(u_null_fn), delta_fn=one_delta(delta_fn))
     return residuals[0], {"u": extra["u"][0], "window": extra["window"][0]}
 
 
 # u over groups of samples: (zs, ts, rs) lists -> predictions, one per group (a pack's samples).
 GroupVelocityFn = Callable[[list, list, list], list]
+# The guidance direction T(z | c) - T(z | null) of a frozen teacher at (z, t): one sample set,
+# or (zs, ts) lists -> one per group.
+GuidanceDeltaFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+GroupDeltaFn = Callable[[list, list], list]
 
 
 def anyflow_residual_groups(u_fn: GroupVelocityFn, x0s: list, noises: list, ts: list, rs: list,
                             *, epsilon: float, frame_masks: list, guidance: list,
-                            u_null_fn: GroupVelocityFn | None = None) -> tuple[list, dict]:
+                            u_null_fn: GroupVelocityFn | None = None,
+                            delta_fn: GroupDeltaFn | None = None) -> tuple[list, dict]:
     """anyflow_residual over groups of samples whose shapes differ (a pack: one group a
     sample, [1, C, T_i, H_i, W_i]), with one u call per group list, so a pack runs the model
     five times, as a batch does. Every argument is a list with one entry per group, shaped as
@@ -250,8 +262,10 @@ def anyflow_residual_groups(u_fn: GroupVelocityFn, x0s: list, noises: list, ts: 
     ws = [torch.as_tensor(w, dtype=work, device=x0.device).expand(x0.shape[0])
           for w, x0 in zip(guidance, x0s)]
     fused = any(bool((w != 1).any()) for w in ws)
-    if fused and u_null_fn is None:
-        raise ValueError("guidance fusion (w != 1) needs u_null_fn, the null-caption prediction")
+    if fused and u_null_fn is None and delta_fn is None:
+        raise ValueError("guidance fusion (w != 1) needs u_null_fn (the null-caption "
+                         "prediction) or delta_fn (a teacher's guidance direction)")
+    by_teacher = fused and delta_fn is not None
     zs = [flow.interpolate(x0, noise, t / N) for x0, noise, t in zip(x0s, noises, ts)]
     us = u_fn(zs, ts, rs)
     with torch.no_grad():
@@ -263,7 +277,8 @@ def anyflow_residual_groups(u_fn: GroupVelocityFn, x0s: list, noises: list, ts: 
                    for z, v, t, (_, tm) in zip(zs, v_hats, ts, windows)]
         u_plus = u_fn(z_plus, [tp for tp, _ in windows], rs)
         u_minus = u_fn(z_minus, [tm for _, tm in windows], rs)
-        u_null = u_null_fn(zs, ts, ts) if fused else [None] * len(zs)
+        u_null = u_null_fn(zs, ts, ts) if fused and not by_teacher else [None] * len(zs)
+        deltas = delta_fn(zs, ts) if by_teacher else [None] * len(zs)
     residuals, widths = [], []
     for i, (t_plus, t_minus) in enumerate(windows):
         with torch.no_grad():
@@ -275,10 +290,12 @@ def anyflow_residual_groups(u_fn: GroupVelocityFn, x0s: list, noises: list, ts: 
                                          torch.zeros_like(derivative))
             correction = _per_frame((ts[i] - rs[i]).to(work)) * derivative
             target = flow.velocity_target(x0s[i].to(work), noises[i].to(work))
-            if fused:
+            if by_teacher:  # the data's noise is not scaled by w: no division either
+                target = target + _per_sample(ws[i] - 1) * deltas[i].to(work)
+            elif fused:
                 target = _per_sample(ws[i]) * target + _per_sample(1 - ws[i]) * u_null[i].to(work)
         residual = us[i].to(work) + correction - target
-        residuals.append(residual / _per_sample(ws[i]) if fused else residual)
+        residuals.append(residual / _per_sample(ws[i]) if fused and not by_teacher else residual)
         widths.append(width)
     return residuals, {"u": us, "window": widths}
 
@@ -362,15 +379,18 @@ def anyflow_batch_loss(u_model: nn.Module, batch: dict, settings: AnyFlowSetting
                        null_text: torch.Tensor,
                        null_mask: torch.Tensor, *, num_tokens: int,
                        draws: SampleDraws | None = None, positions: torch.Tensor | None = None,
-                       global_batch: int | None = None) -> tuple[torch.Tensor, dict]:
+                       global_batch: int | None = None,
+                       teacher: nn.Module | None = None) -> tuple[torch.Tensor, dict]:
     """The Stage1 loss of one micro-batch ("Stage1: TF-AnyFlow") and its diagnostics.
 
     u_model: called as u_model(noisy, clean, t, text, text_mask, r) -> the noisy-half
     teacher-forcing prediction (TeacherForcingForward). draws: the per-sample generators
     (trainer.diffusion.sample_draws; default: samples keyed 0..B-1 at step 0). positions [B]: where the
     samples sit in the global batch of `global_batch` samples, which decides their kinds
-    (default: 0..B-1 of B). Returns (loss, stats) where stats holds per-kind sums and counts
-    of the unscaled losses and the diffusion reference.
+    (default: 0..B-1 of B). teacher: the frozen bidirectional model whose guidance direction
+    the fused target takes (anyflow_guidance_reference: teacher), run on the whole noisy clip
+    with the sample's (possibly dropped) caption. Returns (loss, stats) where stats holds
+    per-kind sums and counts of the unscaled losses and the diffusion reference.
     """
     x0 = batch["latents"]
     device, b, frames = x0.device, x0.shape[0], x0.shape[2]
@@ -404,12 +424,17 @@ def anyflow_batch_loss(u_model: nn.Module, batch: dict, settings: AnyFlowSetting
     def u_null_fn(z, t, r):
         return u_model(z, x0, t, null_b, null_mask_b, r)
 
+    def delta_fn(z, t):
+        cond, uncond = flow.both_branches(teacher, z, t, text, mask, null_text, null_mask)
+        return cond - uncond
+
     # Fusion applies to captioned samples; a dropped caption keeps the plain target (w = 1),
     # which trains u(. | null) on its own velocity.
     w = torch.where(drop, 1.0, settings.fuse_guidance_scale).to(device)
     residual, _ = anyflow_residual(u_fn, x0, draws.normal_like(x0), t_frames, r_frames,
                                    epsilon=settings.epsilon, frame_mask=frame_mask,
-                                   guidance=w, u_null_fn=u_null_fn)
+                                   guidance=w, u_null_fn=u_null_fn,
+                                   delta_fn=None if teacher is None else delta_fn)
     losses = masked_mean_square(residual, frame_mask)
     kind = pairs.kind.to(device)
     weight = flow.loss_weight((t_raw / N).float(), settings.loss_weighting,
@@ -432,12 +457,13 @@ class TeacherForcingPackedForward(nn.Module):
 def anyflow_pack_loss(u_model: nn.Module, batch: dict, settings: AnyFlowSettings,
                       null_text: torch.Tensor,
                       null_mask: torch.Tensor, *, patch_size, draws: SampleDraws,
-                      positions: torch.Tensor, global_batch: int) -> tuple[torch.Tensor, dict]:
+                      positions: torch.Tensor, global_batch: int,
+                      teacher: nn.Module | None = None) -> tuple[torch.Tensor, dict]:
     """The Stage1 loss of one pack (trainer.data.loader.collate_pack), as anyflow_batch_loss
     computes it for a batch: each sample draws the same things in the same order, its pair
     shift follows its own token count, and each of the five u calls runs the pack once
-    (u_model: TeacherForcingPackedForward). For samples of one shape it equals
-    anyflow_batch_loss on them stacked.
+    (u_model: TeacherForcingPackedForward; the teacher's two branches run it once more).
+    For samples of one shape it equals anyflow_batch_loss on them stacked.
     """
     pt, ph, pw = patch_size
     x0s, texts, masks = batch["latents"], list(batch["text"]), list(batch["text_mask"])
@@ -479,10 +505,16 @@ def anyflow_pack_loss(u_model: nn.Module, batch: dict, settings: AnyFlowSettings
             return [p[None] for p in preds]
         return u_fn
 
+    def delta_fn(zs, t):
+        n = len(zs)
+        both = teacher.forward_packed([z[0] for z in zs] * 2, [v[0] for v in t] * 2,
+                                      texts + null_texts, masks + null_masks)
+        return [(c - u)[None] for c, u in zip(both[:n], both[n:])]
+
     residuals, _ = anyflow_residual_groups(
         run(texts, masks), [x0[None] for x0 in x0s], noises, ts, rs,
         epsilon=settings.epsilon, frame_masks=frame_masks, guidance=ws,
-        u_null_fn=run(null_texts, null_masks))
+        u_null_fn=run(null_texts, null_masks), delta_fn=None if teacher is None else delta_fn)
     losses = torch.cat([masked_mean_square(res, m) for res, m in zip(residuals, frame_masks)])
     kind = kinds.to(device)
     loss, mean_d = reduce_anyflow_losses(losses, kind == DIFFUSION, torch.cat(weights))
@@ -523,10 +555,12 @@ class TFAnyFlowStage(FlowMatchingStage):
             # consecutive samples of the stream hold the configured shares of each kind.
             return anyflow_pack_loss(self.train_model, batch, self.settings, self.null_text,
                                      self.null_mask, patch_size=self.model.geometry.patch_size,
-                                     draws=draws, positions=positions, global_batch=global_batch)
+                                     draws=draws, positions=positions, global_batch=global_batch,
+                                     teacher=self.roles.get("teacher"))
         return anyflow_batch_loss(self.train_model, batch, self.settings, self.null_text,
                                   self.null_mask, num_tokens=self.tokens_per_sample,
-                                  draws=draws, positions=positions, global_batch=global_batch)
+                                  draws=draws, positions=positions, global_batch=global_batch,
+                                  teacher=self.roles.get("teacher"))
 
     @staticmethod
     def merge_stats(stats: list[dict]) -> dict:
@@ -534,10 +568,17 @@ class TFAnyFlowStage(FlowMatchingStage):
 
     def warm_start_sources(self) -> list[WarmStartSource]:
         """The FM (SFT) weights; a source without the second time input E_r (the family's
-        `second_time_keys`) gets E_t's copy (docs/algorithms.md, "Two-time model")."""
+        `second_time_keys`) gets E_t's copy (docs/algorithms.md, "Two-time model"). The
+        guidance teacher, when there is one, loads the same weights as they are (a source
+        that has E_r, a Stage1 checkpoint, leaves it out: the teacher is single-time)."""
         second = family_of(self.args).second_time_keys
-        return [dataclasses.replace(source, allow_missing=(*source.allow_missing, *second))
-                for source in super().warm_start_sources()]
+        sources = [dataclasses.replace(source, allow_missing=(*source.allow_missing, *second))
+                   for source in super().warm_start_sources()]
+        if "teacher" in self.roles:
+            sources += [dataclasses.replace(sources[0], role="teacher",
+                                            allow_missing=tuple(self.args.warm_start_allow_missing),
+                                            allow_unexpected=(*sources[0].allow_unexpected, *second))]
+        return sources
 
     def after_warm_start(self, reports: dict[str, dict]) -> None:
         """E_r := E_t when the source had no second time input; a source that holds it (a
@@ -687,17 +728,30 @@ def sample_flowmap(model: nn.Module, text: torch.Tensor, text_mask: torch.Tensor
 def build(args, topo) -> TFAnyFlowStage:
     """Stage1: the causal two-time transformer, trained through its teacher-forcing forward."""
     from trainer.build import (build_data, build_ema, build_optimization, build_text_encoder,
-                               build_trained_model, packing_budget)
+                               build_trained_model, distribute, packing_budget)
 
     model = build_trained_model(args, topo, warm_start=True)
     optimizer, scheduler = build_optimization(args, model, max_steps=args.max_steps)
     packed = packing_budget(args) is not None
     forward = TeacherForcingPackedForward if packed else TeacherForcingForward
     encoder = build_text_encoder(args, topo.device)
-    return TFAnyFlowStage(model, forward(model), optimizer,
-                          scheduler, build_ema(args, model),
-                          build_data(args, topo, text_encoder=encoder), args,
-                          encoder, topo.device, dp_rank=topo.dp_rank, dp_world=topo.dp_world)
+    stage = TFAnyFlowStage(model, forward(model), optimizer,
+                           scheduler, build_ema(args, model),
+                           build_data(args, topo, text_encoder=encoder), args,
+                           encoder, topo.device, dp_rank=topo.dp_rank, dp_world=topo.dp_world)
+    if teacher_guided(args):  # sharded like the student; no gradient, no optimizer state
+        stage.roles["teacher"] = distribute(build_guidance_teacher(args, topo.device), topo)
+    return stage
+
+
+def build_guidance_teacher(args, device: torch.device) -> nn.Module:
+    """The frozen bidirectional single-time copy of the student's config that gives the fused
+    guidance its direction (anyflow_guidance_reference: teacher), prepared like the student."""
+    from trainer.build import build_model, prepare_for_training
+
+    config = family_of(args).bidirectional_config(model_config(args))
+    teacher = build_model(args, device, config).eval().requires_grad_(False)
+    return prepare_for_training(teacher, args)
 
 
 def warmup_loss(model: nn.Module, batch: dict, args, shapes: dict) -> torch.Tensor:
@@ -706,8 +760,10 @@ def warmup_loss(model: nn.Module, batch: dict, args, shapes: dict) -> torch.Tens
     kernels (and their autotuned configs) are its own."""
     from trainer.stages.fm import warmup_null_caption
 
-    null_text, null_mask = warmup_null_caption(args, batch["latents"].device)
+    device = batch["latents"].device
+    null_text, null_mask = warmup_null_caption(args, device)
+    teacher = build_guidance_teacher(args, device) if teacher_guided(args) else None
     loss, _ = anyflow_batch_loss(TeacherForcingForward(model), batch, AnyFlowSettings.of(args),
                                  null_text, null_mask,
-                                 num_tokens=shapes["video_tokens"])
+                                 num_tokens=shapes["video_tokens"], teacher=teacher)
     return loss
