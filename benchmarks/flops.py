@@ -141,7 +141,9 @@ def stage_step_flops(family: str, config: dict[str, Any], args, *,
     - fm: one forward with gradient over the clip.
     - tf_anyflow: five teacher-forcing forwards over [clean | noisy], the first with gradient,
       the fifth (the null caption's) only when guidance is fused and a micro-batch keeps a
-      caption (probability 1 - cfg_drop_prob ** train_batch_size).
+      caption (probability 1 - cfg_drop_prob ** train_batch_size); with
+      anyflow_guidance_reference: teacher that fifth call is instead the frozen teacher's
+      bidirectional forward over the clip, its two branches batched (twice the tokens).
     - dmd_sgf, the critic update (every step): the student's rollout without gradient (the
       caption's K/V once; per chunk j* + 1 steps and the commit, each a KV-cache chunk
       forward) or, with rollout_mode data_latent, one teacher-forcing forward without
@@ -185,9 +187,12 @@ def stage_step_flops(family: str, config: dict[str, Any], args, *,
         if float(_get(args, "anyflow_fuse_guidance_scale", 1.0)) != 1.0:
             fused = 1.0 - float(_get(args, "cfg_drop_prob", 0.0)) ** int(
                 _get(args, "train_batch_size", 1))
-        step = (_Step().run(tf, 2 * n, grad=True)
-                .run(3 * tf, 6 * n, calls=3)
-                .run(fused * tf, fused * 2 * n, calls=fused))
+        step = _Step().run(tf, 2 * n, grad=True).run(3 * tf, 6 * n, calls=3)
+        if _get(args, "anyflow_guidance_reference", "student") == "teacher":
+            teacher = _Counts(family, fam.bidirectional_config(config), n, length)
+            step = step.run(fused * 2 * teacher.full(n), fused * 2 * n, calls=fused)
+        else:
+            step = step.run(fused * tf, fused * 2 * n, calls=fused)
         out.update(flops_per_sample=step.flops, passes=step.passes, steps={"step": step.as_dict()})
         return out
     if stage != "dmd_sgf":
