@@ -20,8 +20,9 @@ so a CFG pair counts 2 and a cached causal chunk its share) and wall time per cl
 ROOT/quality/results.json (with versions, machine, command) and results.md (the table for
 docs/stages.md).
 
---toy swaps in a CPU-sized pipeline written into ROOT (a tiny model, 8 frames of 16x16, two
-steps a stage): the same code path, numbers that mean nothing, minutes on a laptop.
+--toy swaps in a CPU-sized copy of the pipeline written into ROOT (each stage's model shrunk
+by its family, 8 frames of 16x16, two steps a stage): the same code path, numbers that mean
+nothing, minutes on a laptop.
 """
 
 from __future__ import annotations
@@ -137,42 +138,46 @@ def plan_markdown(found: dict) -> str:
 
 # ---- run: train, then evaluate -----------------------------------------------------------
 
-def toy_pipeline(root: Path) -> Path:
-    """A CPU-sized copy of bench.yaml in root: the bench configs with a tiny model and data."""
-    import yaml
+# What --toy sets in every stage: CPU-sized data and runs (compiling and worker processes pay
+# off on a GPU, not for two CPU steps); and per stage name, what a two-step run needs besides.
+TOY_RUN = {"synthetic_num_samples": 32, "synthetic_num_frames": 8, "synthetic_height": 16,
+           "synthetic_width": 16, "train_batch_size": 4, "max_steps": 2, "save_interval": 2,
+           "warmup_steps": 0, "log_interval": 1, "validation_interval": -1,
+           "compile_transformer": False, "packed_dataloader_num_workers": 0}
+TOY_STAGE = {"stage2": {"generator_update_interval": 1}}
 
-    model = {"in_channels": 3, "hidden_size": 32, "num_attention_heads": 2, "num_layers": 2,
-             "patch_size": [2, 4, 4], "rope_axes_dim": [4, 4, 8], "text_dim": 32,
-             "qk_norm": True}
-    causal = {**model, "causal_chunk_size": 4}
-    small = {"synthetic_num_samples": 32, "synthetic_num_frames": 8, "synthetic_height": 16,
-             "synthetic_width": 16, "train_batch_size": 4, "max_steps": 2, "save_interval": 2,
-             "warmup_steps": 0, "log_interval": 1, "validation_interval": -1,
-             "data_path": "${root}/data/sft",
-             # compiling and worker processes pay off on a GPU, not for two CPU steps
-             "compile_transformer": False, "packed_dataloader_num_workers": 0}
-    overrides = {
-        "pretrain": {"transformer_config_overrides": model, "data_path": "${root}/data/pretrain"},
-        "sft": {"transformer_config_overrides": model,
-                "pretrained_transformer_path": "${stages.pretrain.output_dir}"},
-        "stage1": {"transformer_config_overrides": {**causal, "two_time": True, "time_gate": 0.25},
-                   "pretrained_transformer_path": "${stages.sft.output_dir}"},
-        "stage2": {"transformer_config_overrides": {**causal, "two_time": False},
-                   "student_init_path": "${stages.stage1.output_dir}",
-                   "teacher_init_path": "${stages.sft.output_dir}",
-                   "critic_init_path": "${stages.sft.output_dir}",
-                   "generator_update_interval": 1},
-    }
-    spec = {"name": "bench-toy", "root": str(root),
-            "cluster": {"nodes": 1, "gpus_per_node": 0, "tasks_per_node": 1, "cpus_per_task": 2,
-                        "mem": "4G", "time": 30, "network": "none", "warmup": False},
-            "stages": {name: {"config": str(REPO / "config" / "bench" / f"{name}.yaml"),
-                              "overrides": {**small, **extra}}
-                       for name, extra in overrides.items()}}
+
+def toy_pipeline(root: Path, pipeline: Path) -> Path:
+    """A CPU-sized copy of `pipeline` in root: its stages, configs and wiring as they are, each
+    stage's model shrunk by its family's `toy_size` (width and depth; patch, channels and
+    causality kept) and its data and steps by TOY_RUN."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from trainer.models.registry import get_family
+
+    spec = OmegaConf.to_container(OmegaConf.load(pipeline), resolve=False)
+    stages = {}
+    for name, stage in spec["stages"].items():
+        config = stage["config"]
+        sections = yaml.safe_load((REPO / config).read_text()) or {}
+        flat = {k: v for section in sections.values() if isinstance(section, dict)
+                for k, v in section.items()}
+        overrides = dict(stage.get("overrides") or {})
+        family = overrides.get("model_family", flat.get("model_family", "dit"))
+        shape = overrides.get("transformer_config_overrides",
+                              flat.get("transformer_config_overrides") or {})
+        overrides["transformer_config_overrides"] = {**shape, **get_family(family).toy_size}
+        stages[name] = {**stage, "config": str(REPO / config),
+                        "overrides": {**overrides, **TOY_RUN, **TOY_STAGE.get(name, {})}}
+    toy = {"name": f"{spec.get('name', pipeline.stem)}-toy", "root": str(root),
+           "cluster": {"nodes": 1, "gpus_per_node": 0, "tasks_per_node": 1, "cpus_per_task": 2,
+                       "mem": "4G", "time": 30, "network": "none", "warmup": False},
+           "stages": stages}
     root.mkdir(parents=True, exist_ok=True)
     path = root / "toy-pipeline.yaml"
-    path.write_text("# Written by benchmarks/quality.py --toy: bench.yaml at CPU size.\n"
-                    + yaml.safe_dump(spec, sort_keys=False))
+    path.write_text(f"# Written by benchmarks/quality.py --toy: {pipeline} at CPU size.\n"
+                    + yaml.safe_dump(toy, sort_keys=False))
     return path
 
 
@@ -188,12 +193,13 @@ class ForwardCounter:
     """Counts video tokens through the model's first block: function evaluations per clip =
     counted tokens / (clips x video tokens of a clip)."""
 
-    def __init__(self, model):
-        self.tokens = 0
+    def __init__(self, model, video_arg: int):
+        self.tokens, self.video_arg = 0, video_arg
         self.handle = model.blocks[0].register_forward_hook(self._count)
 
     def _count(self, module, args, output):
-        vid = args[1] if len(args) > 1 else None  # block(txt, vid, ...): None on text-only calls
+        # the family's video argument (ModelFamily.block_video_arg); None on text-only calls
+        vid = args[self.video_arg] if len(args) > self.video_arg else None
         if vid is not None:
             self.tokens += vid.shape[0] * vid.shape[1]
 
@@ -208,20 +214,22 @@ def evaluate_stage(stage_dir: Path, steps_list, *, captions: int, seed: int, dev
     from trainer.encoders.vae import latents_to_frames
     from trainer.evaluation.evaluate import evaluation_suite, summary_scores
     from trainer.evaluation.inference import generate, load_model_for_inference
+    from trainer.models.registry import family_of, model_config
     from trainer.stages.registry import sampling_plan
 
     loaded = load_model_for_inference(stage_dir, "auto", device=device)
     prompts, score = evaluation_suite(loaded.args.get("synthetic_generator", "shapes"))
     prompts = list(prompts[:captions])
     guidance = sampling_plan(loaded.args).guidance
-    cfg = loaded.model.cfg
+    family = family_of(loaded.args)
+    pt, ph, pw = family.geometry(model_config(loaded.args)).patch_size
     _, t, h, w = loaded.latent_shape
-    clip_tokens = (t // cfg.patch_size[0]) * (h // cfg.patch_size[1]) * (w // cfg.patch_size[2])
+    clip_tokens = (t // pt) * (h // ph) * (w // pw)
     # First touch of memory and kernels is slow (docs/performance.md): not part of a clip.
     generate(loaded, prompts[:1], steps=1, guidance=guidance, seed=seed)
     rows = []
     for steps in steps_list:
-        counter = ForwardCounter(loaded.model)
+        counter = ForwardCounter(loaded.model, family.block_video_arg)
         _synchronize(torch, device)
         started = time.perf_counter()
         latents = generate(loaded, prompts, steps=steps, guidance=guidance, seed=seed)
@@ -271,7 +279,7 @@ def versions(device: str) -> dict:
 
 def run(ns: argparse.Namespace) -> dict:
     root = Path(ns.root).resolve()
-    pipeline = toy_pipeline(root) if ns.toy else Path(ns.pipeline)
+    pipeline = toy_pipeline(root, Path(ns.pipeline)) if ns.toy else Path(ns.pipeline)
     if ns.train:
         train(pipeline, root)
     import torch

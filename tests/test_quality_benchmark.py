@@ -15,8 +15,12 @@ sys.path.insert(0, str(REPO))
 from benchmarks import quality  # noqa: E402
 
 
-def test_bench_pipeline_is_planned_within_twenty_minutes_on_one_gpu():
-    found = quality.plan(str(REPO / "config/pipeline/bench.yaml"))
+PIPELINES = ["config/pipeline/bench.yaml", "config/pipeline/bench-wan.yaml"]
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_bench_pipeline_is_planned_within_twenty_minutes_on_one_gpu(pipeline):
+    found = quality.plan(str(REPO / pipeline))
     stages = {s["stage"]: s for s in found["stages"]}
     assert list(stages) == ["pretrain", "sft", "stage1", "stage2"]
     assert found["total_minutes"] <= 20, found["total_minutes"]
@@ -46,10 +50,12 @@ def test_plan_prints_a_table_with_every_stage():
 
 
 @pytest.mark.timeout(900)
-def test_one_command_trains_the_toy_benchmark_and_writes_the_results_table(tmp_path):
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_one_command_trains_the_toy_benchmark_and_writes_the_results_table(tmp_path, pipeline):
     root = tmp_path / "bench"
     proc = subprocess.run([sys.executable, "benchmarks/quality.py", "run", "--train", "--toy",
-                           "--root", str(root), "--captions", "3"], cwd=REPO,
+                           "--pipeline", pipeline, "--root", str(root), "--captions", "3"],
+                          cwd=REPO,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads((root / "quality" / "results.json").read_text())
@@ -78,11 +84,23 @@ def test_one_command_trains_the_toy_benchmark_and_writes_the_results_table(tmp_p
     assert json.loads((tmp_path / "eval.json").read_text())["num_clips"] == 64
 
 
-def test_the_toy_pipeline_keeps_the_bench_stage_configs(tmp_path):
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_the_toy_pipeline_keeps_the_bench_stage_configs(tmp_path, pipeline):
     import yaml
 
-    spec = yaml.safe_load(quality.toy_pipeline(tmp_path).read_text())
+    from trainer.models.registry import get_family
+
+    spec = yaml.safe_load(quality.toy_pipeline(tmp_path, REPO / pipeline).read_text())
     assert [Path(s["config"]).parent.name for s in spec["stages"].values()] == ["bench"] * 4
     # Small overrides only: the objectives and the generator come from config/bench.
     assert all("stage" not in s["overrides"] and "synthetic_generator" not in s["overrides"]
                for s in spec["stages"].values())
+    # The model keeps its family, patch and causality; only its width and depth shrink.
+    family = "wan" if "wan" in pipeline else "dit"
+    for name, stage in spec["stages"].items():
+        shape = stage["overrides"]["transformer_config_overrides"]
+        assert stage["overrides"].get("model_family", "dit") == family
+        assert shape["patch_size"] == [2, 4, 4] and shape["in_channels"] == 3
+        assert {k: shape[k] for k in get_family(family).toy_size} == get_family(family).toy_size
+        assert shape.get("causal_chunk_size") == (4 if name.startswith("stage") else None)
+        assert shape.get("two_time", False) == (name == "stage1")

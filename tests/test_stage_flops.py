@@ -24,16 +24,13 @@ from benchmarks import flops  # noqa: E402
 from trainer import build  # noqa: E402
 from trainer.resolve import resolve_config  # noqa: E402
 from trainer.models.attention import block_causal_mask, teacher_forcing_mask  # noqa: E402
-from trainer.models.registry import family_of, model_config  # noqa: E402
+from trainer.models.registry import family_of, get_family, model_config  # noqa: E402
 from trainer.parallel.distributed import Topology  # noqa: E402
 from trainer.stages import registry, rollout  # noqa: E402
 
 BATCH, TEXT = 2, 16
 CONFIGS = {"wan": "config/wan/tiny-{}.yaml", "dit": "config/tiny/{}.yaml"}
 # where a block's video tokens sit among its positional arguments (wan: x; dit: txt, vid)
-VIDEO_ARG = {"wan": 0, "dit": 1}
-
-
 class Batches:
     """Endless random batches in the data iterator's format, captions padded to TEXT tokens."""
 
@@ -57,7 +54,7 @@ class BlockCounter:
 
     def __init__(self, roles: dict, family: str):
         self.calls = self.tokens = 0
-        self.index = VIDEO_ARG[family]
+        self.index = get_family(family).block_video_arg
         self.handles = [model.blocks[0].register_forward_pre_hook(self._count)
                         for model in {id(m): m for m in roles.values()}.values()]
 

@@ -159,6 +159,12 @@ class ModelFamily(ABC):
     writes_tiny_pipeline: ClassVar[bool] = False
     # How diffusers writes this family (relay export --format diffusers); None: it has no class.
     diffusers_export: ClassVar[DiffusersExport | None] = None
+    # Overrides that shrink any config of this family to a CPU-sized model, width and depth
+    # only (benchmarks/quality.py --toy keeps the rest: patch, channels, causality).
+    toy_size: ClassVar[dict[str, Any]] = {}
+    # Which positional argument of a block (`blocks[i](...)`) holds the video tokens [B, N, D]:
+    # benchmarks count function evaluations as video tokens through the first block.
+    block_video_arg: ClassVar[int] = 0
 
     # -- config -----------------------------------------------------------------------------
     @abstractmethod

@@ -26,6 +26,9 @@ class DiTFamily(RelayCausalFamily):
     lora_target_modules = ("qkv", "proj")
     # Each block's adaLN `modulation` linear, its norms and the embedders stay with AdamW.
     muon_excluded_name_parts = ("norm", "modulation", "embed")
+    toy_size = {"hidden_size": 32, "num_attention_heads": 2, "num_layers": 2,
+                "rope_axes_dim": [4, 4, 8]}
+    block_video_arg = 1  # block(text, video, ...): the joint block carries both streams
 
     def defaults(self) -> dict[str, Any]:
         return {k: v for k, v in MODEL_CONFIG_DEFAULTS.items() if k != "zero_init_modulation"}

@@ -79,6 +79,7 @@ class WanFamily(RelayCausalFamily):
     muon_excluded_name_parts = ("norm", "scale_shift_table", "embed")
     diffusers_export = DIFFUSERS_EXPORT
     writes_tiny_pipeline = True
+    toy_size = {"num_attention_heads": 2, "attention_head_dim": 16, "ffn_dim": 64, "num_layers": 2}
     # WanPipeline's max_sequence_length, num_inference_steps and guidance_scale.
     pipeline_defaults = {"text_max_tokens": WAN_TEXT_LEN, "validation_steps": 50,
                          "validation_guidance": 5.0}
