@@ -1,7 +1,8 @@
 """The quality benchmark: does distillation keep the teacher's quality at a few steps?
 
     python benchmarks/quality.py plan [--pipeline config/pipeline/bench.yaml]
-    python benchmarks/quality.py run --root runs/bench [--train] [--toy] [--captions 64]
+    python benchmarks/quality.py run --root runs/bench [--train] [--toy] [--captions 64] \
+        [--pipeline config/pipeline/bench.yaml] [--seed-shift 20]
 
 `plan` sizes the pipeline by arithmetic (no GPU, no torch): per stage the video tokens, the
 forward passes and counted FLOPs of one step (benchmarks/flops.py), and the step time they
@@ -20,9 +21,10 @@ so a CFG pair counts 2 and a cached causal chunk its share) and wall time per cl
 ROOT/quality/results.json (with versions, machine, command) and results.md (the table for
 docs/stages.md).
 
---toy swaps in a CPU-sized copy of the pipeline written into ROOT (each stage's model shrunk
-by its family, 8 frames of 16x16, two steps a stage): the same code path, numbers that mean
-nothing, minutes on a laptop.
+--seed-shift N trains on other draws: every stage's training and data seed moved by N (the
+derived pipeline is written to ROOT/pipeline.yaml). --toy swaps in a CPU-sized copy of the
+pipeline written there (each stage's model shrunk by its family, 8 frames of 16x16, two steps
+a stage): the same code path, numbers that mean nothing, minutes on a laptop.
 """
 
 from __future__ import annotations
@@ -147,10 +149,15 @@ TOY_RUN = {"synthetic_num_samples": 32, "synthetic_num_frames": 8, "synthetic_he
 TOY_STAGE = {"stage2": {"generator_update_interval": 1}}
 
 
-def toy_pipeline(root: Path, pipeline: Path) -> Path:
-    """A CPU-sized copy of `pipeline` in root: its stages, configs and wiring as they are, each
-    stage's model shrunk by its family's `toy_size` (width and depth; patch, channels and
-    causality kept) and its data and steps by TOY_RUN."""
+SEED_KEYS = ("seed", "synthetic_seed")  # what --seed-shift moves: training and data draws
+
+
+def derive_pipeline(root: Path, pipeline: Path, *, toy: bool = False, seed_shift: int = 0) -> Path:
+    """`pipeline` rewritten into root/pipeline.yaml: its stages, configs and wiring as they are,
+    with `toy` each stage's model shrunk by its family's `toy_size` (width and depth; patch,
+    channels and causality kept) and its data and steps by TOY_RUN, and with `seed_shift` every
+    stage's training and data seeds (SEED_KEYS) moved by that much: the same benchmark on
+    other draws."""
     import yaml
     from omegaconf import OmegaConf
 
@@ -159,25 +166,33 @@ def toy_pipeline(root: Path, pipeline: Path) -> Path:
     spec = OmegaConf.to_container(OmegaConf.load(pipeline), resolve=False)
     stages = {}
     for name, stage in spec["stages"].items():
-        config = stage["config"]
-        sections = yaml.safe_load((REPO / config).read_text()) or {}
+        config = str(REPO / stage["config"])
+        sections = yaml.safe_load(Path(config).read_text()) or {}
         flat = {k: v for section in sections.values() if isinstance(section, dict)
                 for k, v in section.items()}
         overrides = dict(stage.get("overrides") or {})
-        family = overrides.get("model_family", flat.get("model_family", "dit"))
-        shape = overrides.get("transformer_config_overrides",
-                              flat.get("transformer_config_overrides") or {})
-        overrides["transformer_config_overrides"] = {**shape, **get_family(family).toy_size}
-        stages[name] = {**stage, "config": str(REPO / config),
-                        "overrides": {**overrides, **TOY_RUN, **TOY_STAGE.get(name, {})}}
-    toy = {"name": f"{spec.get('name', pipeline.stem)}-toy", "root": str(root),
-           "cluster": {"nodes": 1, "gpus_per_node": 0, "tasks_per_node": 1, "cpus_per_task": 2,
-                       "mem": "4G", "time": 30, "network": "none", "warmup": False},
-           "stages": stages}
+        settings = {**flat, **overrides}
+        if toy:
+            family = get_family(settings.get("model_family", "dit"))
+            shape = settings.get("transformer_config_overrides") or {}
+            overrides.update(transformer_config_overrides={**shape, **family.toy_size},
+                             **TOY_RUN, **TOY_STAGE.get(name, {}))
+        if seed_shift:
+            overrides.update({key: int(settings[key]) + seed_shift for key in SEED_KEYS
+                              if settings.get(key) is not None})
+        stages[name] = {**stage, "config": config, "overrides": overrides}
+    derived = {**spec, "root": str(root), "stages": stages}
+    what = [f"{pipeline}"] + (["at CPU size"] if toy else []) + (
+        [f"seeds moved by {seed_shift}"] if seed_shift else [])
+    if toy:
+        derived.update(name=f"{spec.get('name', pipeline.stem)}-toy",
+                       cluster={"nodes": 1, "gpus_per_node": 0, "tasks_per_node": 1,
+                                "cpus_per_task": 2, "mem": "4G", "time": 30, "network": "none",
+                                "warmup": False})
     root.mkdir(parents=True, exist_ok=True)
-    path = root / "toy-pipeline.yaml"
-    path.write_text(f"# Written by benchmarks/quality.py --toy: {pipeline} at CPU size.\n"
-                    + yaml.safe_dump(toy, sort_keys=False))
+    path = root / "pipeline.yaml"
+    path.write_text(f"# Written by benchmarks/quality.py: {', '.join(what)}.\n"
+                    + yaml.safe_dump(derived, sort_keys=False))
     return path
 
 
@@ -279,7 +294,9 @@ def versions(device: str) -> dict:
 
 def run(ns: argparse.Namespace) -> dict:
     root = Path(ns.root).resolve()
-    pipeline = toy_pipeline(root, Path(ns.pipeline)) if ns.toy else Path(ns.pipeline)
+    pipeline = Path(ns.pipeline)
+    if ns.toy or ns.seed_shift:
+        pipeline = derive_pipeline(root, pipeline, toy=ns.toy, seed_shift=ns.seed_shift)
     if ns.train:
         train(pipeline, root)
     import torch
@@ -295,7 +312,7 @@ def run(ns: argparse.Namespace) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     result = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
               "pipeline": str(pipeline), "root": str(root), "captions": ns.captions,
-              "seed": ns.seed, "versions": versions(device), "rows": rows}
+              "seed": ns.seed, "seed_shift": ns.seed_shift, "versions": versions(device), "rows": rows}
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     table = results_markdown(rows)
     (out / "results.md").write_text(f"`{result['command']}` on {versions(device)}\n\n{table}")
@@ -322,7 +339,10 @@ def main(argv=None) -> int:
     p.add_argument("--stages", type=lambda text: text.split(","), default=[s for s, _ in ROWS],
                    help="comma-separated stages to evaluate (default sft,stage1,stage2): the "
                         "teacher can be scored before the students are trained")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the evaluation's seed")
+    p.add_argument("--seed-shift", type=int, default=0,
+                   help="move every stage's training and data seed by this much (with "
+                        "--train: the benchmark on other draws; ROOT/pipeline.yaml says which)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--out", default=None, help="default: ROOT/quality")
     ns = parser.parse_args(argv)

@@ -90,7 +90,7 @@ def test_the_toy_pipeline_keeps_the_bench_stage_configs(tmp_path, pipeline):
 
     from trainer.models.registry import get_family
 
-    spec = yaml.safe_load(quality.toy_pipeline(tmp_path, REPO / pipeline).read_text())
+    spec = yaml.safe_load(quality.derive_pipeline(tmp_path, REPO / pipeline, toy=True).read_text())
     assert [Path(s["config"]).parent.name for s in spec["stages"].values()] == ["bench"] * 4
     # Small overrides only: the objectives and the generator come from config/bench.
     assert all("stage" not in s["overrides"] and "synthetic_generator" not in s["overrides"]
@@ -104,3 +104,20 @@ def test_the_toy_pipeline_keeps_the_bench_stage_configs(tmp_path, pipeline):
         assert {k: shape[k] for k in get_family(family).toy_size} == get_family(family).toy_size
         assert shape.get("causal_chunk_size") == (4 if name.startswith("stage") else None)
         assert shape.get("two_time", False) == (name == "stage1")
+
+
+def test_a_seed_shift_moves_every_training_and_data_seed_and_nothing_else(tmp_path):
+    import yaml
+
+    spec = yaml.safe_load(quality.derive_pipeline(
+        tmp_path, REPO / "config/pipeline/bench.yaml", seed_shift=20).read_text())
+    bench = yaml.safe_load((REPO / "config/pipeline/bench.yaml").read_text())
+    seeds = {name: (s["overrides"]["seed"], s["overrides"]["synthetic_seed"])
+             for name, s in spec["stages"].items()}
+    # config/bench: training seeds 10-13, data seeds 10 (pretrain) and 11 (the rest)
+    assert seeds == {"pretrain": (30, 30), "sft": (31, 31), "stage1": (32, 31),
+                     "stage2": (33, 31)}
+    for name, stage in spec["stages"].items():
+        rest = {k: v for k, v in stage["overrides"].items() if k not in ("seed", "synthetic_seed")}
+        assert rest == bench["stages"][name]["overrides"], name
+    assert spec["cluster"] == bench["cluster"] and spec["root"] == str(tmp_path)
