@@ -143,7 +143,8 @@ def stage_step_flops(family: str, config: dict[str, Any], args, *,
       the fifth (the null caption's) only when guidance is fused and a micro-batch keeps a
       caption (probability 1 - cfg_drop_prob ** train_batch_size); with
       anyflow_guidance_reference: teacher that fifth call is instead the frozen teacher's
-      bidirectional forward over the clip, its two branches batched (twice the tokens).
+      bidirectional forward over the clip, its two branches batched (twice the tokens), once
+      per causal chunk with anyflow_teacher_context: causal.
     - dmd_sgf, the critic update (every step): the student's rollout without gradient (the
       caption's K/V once; per chunk j* + 1 steps and the commit, each a KV-cache chunk
       forward) or, with rollout_mode data_latent, one teacher-forcing forward without
@@ -190,7 +191,9 @@ def stage_step_flops(family: str, config: dict[str, Any], args, *,
         step = _Step().run(tf, 2 * n, grad=True).run(3 * tf, 6 * n, calls=3)
         if _get(args, "anyflow_guidance_reference", "student") == "teacher":
             teacher = _Counts(family, fam.bidirectional_config(config), n, length)
-            step = step.run(fused * 2 * teacher.full(n), fused * 2 * n, calls=fused)
+            views = len(chunks) if _get(args, "anyflow_teacher_context", "clip") == "causal" else 1
+            step = step.run(fused * views * 2 * teacher.full(n), fused * views * 2 * n,
+                            calls=fused * views)
         else:
             step = step.run(fused * tf, fused * 2 * n, calls=fused)
         out.update(flops_per_sample=step.flops, passes=step.passes, steps={"step": step.as_dict()})

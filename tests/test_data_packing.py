@@ -196,7 +196,8 @@ def _stage1_model():
     return _model(causal_chunk_size=2, two_time=True, time_gate=0.25).float().train()
 
 
-def _anyflow_losses(tmp_path, pack_xs, texts, masks, keys, null_len=5, **arg_keys):
+def _anyflow_losses(tmp_path, pack_xs, texts, masks, keys, null_len=5, teacher=None,
+                    **arg_keys):
     """(packed loss, its gradients, stacked-or-alone reference loss, its gradients)."""
     from trainer.diffusion.sample_draws import SampleDraws
     from trainer.stages.tf_anyflow import (TeacherForcingForward, TeacherForcingPackedForward,
@@ -211,7 +212,7 @@ def _anyflow_losses(tmp_path, pack_xs, texts, masks, keys, null_len=5, **arg_key
     loss, _ = anyflow_pack_loss(TeacherForcingPackedForward(model), pack, AnyFlowSettings.of(args), null_text,
                                 null_mask, patch_size=(1, 2, 2),
                                 draws=SampleDraws(args.seed, 3, keys), positions=positions,
-                                global_batch=total)
+                                global_batch=total, teacher=teacher)
     loss.backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -220,10 +221,19 @@ def _anyflow_losses(tmp_path, pack_xs, texts, masks, keys, null_len=5, **arg_key
                                       positions, total)
 
 
-def test_packed_stage1_loss_and_gradients_equal_the_stacked_batch(tmp_path):
+@pytest.mark.parametrize("context", [None, "clip", "causal"])  # None: no guidance teacher
+def test_packed_stage1_loss_and_gradients_equal_the_stacked_batch(tmp_path, context):
     """Samples of one shape: the pack's loss is the batch's, over every pair kind, caption drop,
-    clean first frames and the fused guidance target."""
+    clean first frames and the fused guidance target (its direction from the student's null
+    branch, or from a frozen teacher on the whole clip or per causal chunk)."""
     from trainer.diffusion.sample_draws import SampleDraws
+
+    teacher, extra = None, {}
+    if context is not None:
+        torch.manual_seed(7)
+        teacher = _model().float().eval().requires_grad_(False)  # bidirectional, single-time
+        extra = {"anyflow_guidance_reference": "teacher", "anyflow_teacher_context": context,
+                 "load_transformer_weights": "true", "pretrained_transformer_path": tmp_path}
 
     g = torch.Generator().manual_seed(4)
     xs = [torch.randn(C, 4, 4, 6, generator=g) for _ in range(4)]
@@ -232,12 +242,13 @@ def test_packed_stage1_loss_and_gradients_equal_the_stacked_batch(tmp_path):
     keys = [10, 11, 12, 13]
     args, model, packed, grads, (u_model, batch_loss, settings, null_text, null_mask, positions,
                                  total) = \
-        _anyflow_losses(tmp_path, xs, texts, masks, keys)
+        _anyflow_losses(tmp_path, xs, texts, masks, keys, teacher=teacher, **extra)
+    assert settings.teacher_chunk_frames == (2 if context == "causal" else None)
     batch = {"latents": torch.stack(xs), "text": torch.stack(texts), "text_mask": torch.stack(masks)}
     stacked, stats = batch_loss(u_model, batch, settings, null_text, null_mask,
                                 num_tokens=4 * 2 * 3,
                                 draws=SampleDraws(args.seed, 3, keys), positions=positions,
-                                global_batch=total)
+                                global_batch=total, teacher=teacher)
     stacked.backward()
     assert stats["count_diffusion"] == 2 and stats["count_consistency"] == 1
     torch.testing.assert_close(packed, stacked, rtol=1e-5, atol=1e-6)

@@ -123,17 +123,21 @@ def test_an_sft_step_runs_the_forwards_the_formula_counts(family, tmp_path, monk
 
 @pytest.mark.parametrize("family", list(CONFIGS))
 @pytest.mark.parametrize("drop", [0.0, 1.0])  # every caption kept (fused pass) or none
-@pytest.mark.parametrize("reference", ["student", "teacher"])  # whose pass the fifth one is
-def test_a_stage1_step_runs_the_forwards_the_formula_counts(family, drop, reference, tmp_path,
-                                                            monkeypatch):
+@pytest.mark.parametrize("reference,context", [("student", "clip"), ("teacher", "clip"),
+                                               ("teacher", "causal")])  # whose the last calls are
+def test_a_stage1_step_runs_the_forwards_the_formula_counts(family, drop, reference, context,
+                                                            tmp_path, monkeypatch):
     stage, args, shape = build_stage(family, "stage1", tmp_path, monkeypatch,
                                      "--cfg_drop_prob", str(drop),
                                      "--anyflow_fuse_guidance_scale", "3.0",
-                                     "--anyflow_guidance_reference", reference)
+                                     "--anyflow_guidance_reference", reference,
+                                     "--anyflow_teacher_context", context)
     assert ("teacher" in stage.roles) == (reference == "teacher")
     counted = counted_step(stage, family, 1)
     assert counted == claimed(args, shape, "step")
-    assert counted["forward_calls"] == (5 if drop == 0.0 else 4)
+    chunks = -(-shape[1] // family_of(args).geometry(model_config(args)).causal_chunk_frames)
+    guidance = chunks if context == "causal" else 1
+    assert counted["forward_calls"] == (4 + guidance if drop == 0.0 else 4)
 
 
 @pytest.mark.parametrize("family,extra", [

@@ -532,6 +532,29 @@ def test_a_guidance_teacher_replaces_the_students_null_branch_in_the_batch_loss(
     assert all(p.grad is None for p in teacher.parameters())
 
 
+def test_a_causal_teacher_context_shows_each_chunk_the_clean_chunks_before_it():
+    from trainer.stages.tf_anyflow import guidance_by_chunk
+
+    x0, noise, _, _ = data()
+    t = per_frame([700.0, 300.0])
+    z = flow.interpolate(x0, noise, t / 1000.0)
+    views = []
+
+    def direction(zv, tv):  # a different answer per call, so the chunk each one gave is known
+        views.append((zv.clone(), tv.clone()))
+        return torch.full_like(zv, float(len(views)))
+
+    out = guidance_by_chunk(direction, x0, z, t, CHUNK)
+    assert len(views) == T // CHUNK
+    for k, (zv, tv) in enumerate(views):
+        start = k * CHUNK
+        assert torch.equal(zv[:, :, :start], x0[:, :, :start])  # earlier chunks clean, time 0
+        assert torch.equal(tv[:, :start], torch.zeros_like(tv[:, :start]))
+        assert torch.equal(zv[:, :, start:], z[:, :, start:]) and torch.equal(tv[:, start:], t[:, start:])
+        assert (out[:, :, start:start + CHUNK] == k + 1).all()  # each chunk from its own view
+    assert guidance_by_chunk(lambda zv, tv: zv * 2, x0, z, t, None).equal(z * 2)
+
+
 def test_anchored_frame_gets_zero_time_zero_loss_and_zero_gradient():
     model = tiny()
     _, _, calls, batch, _ = run_batch_loss(model, image_cond_prob=1.0)
@@ -719,6 +742,9 @@ def test_stage1_config_checks_its_ratios_and_guidance():
 def test_a_guidance_teacher_needs_fused_guidance_and_is_kept_out_of_checkpoints():
     from trainer.stages.registry import stage_of
 
+    with pytest.raises(ConfigError, match="anyflow_teacher_context: causal"):
+        resolve_config(str(REPO / "config/tiny/stage1.yaml"),
+                       {"anyflow_teacher_context": "causal"}, cwd=REPO)
     with pytest.raises(ConfigError, match="would do nothing"):
         resolve_config(str(REPO / "config/tiny/stage1.yaml"),
                        {"anyflow_guidance_reference": "teacher",

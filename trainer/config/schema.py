@@ -339,6 +339,11 @@ SECTIONS: dict[str, list[Arg]] = {
             "a frozen bidirectional copy of the warm-start weights; the noise stays the "
             "data's). Needs anyflow_fuse_guidance_scale != 1.",
             choices=("student", "teacher")),
+        Arg("anyflow_teacher_context", "str", "clip",
+            "What the guidance teacher (anyflow_guidance_reference: teacher) sees of the clip: "
+            "clip (the whole noisy clip, one call) or causal (per causal chunk, the chunks "
+            "before it clean, as the student sees them in teacher forcing: one call a chunk).",
+            choices=("clip", "causal")),
         Arg("anyflow_pair_sampler", "str", "v15",
             "(t, r) sampler: v15 (t ~ U, r = u2 t) or nvlabs (t = max, r = min of two uniforms).",
             choices=("v15", "nvlabs")),

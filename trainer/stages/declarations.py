@@ -118,6 +118,12 @@ class TFAnyFlow(StageDeclaration):
                     "anyflow_guidance_reference: teacher runs a frozen copy of the weights "
                     "Stage1 starts from, and none are named: set load_transformer_weights: "
                     "true and pretrained_transformer_path to the SFT output_dir.")
+        if args.anyflow_teacher_context == "causal" and not teacher_guided(args):
+            raise ConfigError(
+                "anyflow_teacher_context: causal says what the guidance teacher sees, and this "
+                "run has none (it needs anyflow_guidance_reference: teacher and "
+                "anyflow_fuse_guidance_scale != 1). Set those, or remove "
+                "anyflow_teacher_context.")
         if args.flowmap_sampling_steps < 1:
             raise ConfigError(f"`flowmap_sampling_steps` must be at least 1, got "
                               f"{args.flowmap_sampling_steps}.")

@@ -169,9 +169,15 @@ class AnyFlowSettings:
     video_cond_prob: float
     video_cond_frames: Any
     sigma: flow.SigmaSampling
+    # The guidance teacher's view of a chunk (anyflow_teacher_context): the whole noisy clip
+    # (None) or, every `teacher_chunk_frames` latent frames, the chunks before it clean.
+    teacher_chunk_frames: int | None = None
 
     @classmethod
     def of(cls, args) -> "AnyFlowSettings":
+        causal = args.get("anyflow_teacher_context", "clip") == "causal"
+        chunk = (family_of(args).geometry(model_config(args)).causal_chunk_frames
+                 if causal else None)
         return cls(seed=args.seed, cfg_drop_prob=args.cfg_drop_prob,
                    diffusion_ratio=args.anyflow_diffusion_ratio,
                    consistency_ratio=args.anyflow_consistency_ratio,
@@ -179,7 +185,8 @@ class AnyFlowSettings:
                    fuse_guidance_scale=float(args.anyflow_fuse_guidance_scale),
                    epsilon=args.anyflow_epsilon, loss_weighting=args.loss_weighting,
                    image_cond_prob=args.image_cond_prob, video_cond_prob=args.video_cond_prob,
-                   video_cond_frames=args.video_cond_frames, sigma=flow.SigmaSampling.of(args))
+                   video_cond_frames=args.video_cond_frames, sigma=flow.SigmaSampling.of(args),
+                   teacher_chunk_frames=chunk)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,6 +382,30 @@ def with_null_captions(text: torch.Tensor, mask: torch.Tensor, drop: torch.Tenso
     return text, mask
 
 
+def context_view(x0: torch.Tensor, z: torch.Tensor, t: torch.Tensor,
+                 start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clip as the causal student sees the chunk that begins at latent frame `start`: the
+    frames before it clean (x0, time 0), the rest as they are (z, t). [B, C, T, H, W], [B, T]."""
+    before = torch.arange(z.shape[2], device=z.device) < start
+    return (torch.where(before[None, None, :, None, None], x0.to(z), z),
+            torch.where(before[None, :], torch.zeros_like(t), t))
+
+
+def guidance_by_chunk(direction: Callable, x0: torch.Tensor, z: torch.Tensor, t: torch.Tensor,
+                      chunk_frames: int | None) -> torch.Tensor:
+    """A bidirectional teacher's guidance direction for every frame of the noisy clip z:
+    direction(z, t) once on the whole clip (chunk_frames None), or per causal chunk on the view
+    the student has of it (context_view: the chunks before it clean), each view's own chunk
+    kept: one teacher call per chunk."""
+    if chunk_frames is None:
+        return direction(z, t)
+    out = torch.empty_like(z)
+    for start in range(0, z.shape[2], chunk_frames):
+        view, view_t = context_view(x0, z, t, start)
+        out[:, :, start:start + chunk_frames] = direction(view, view_t)[:, :, start:start + chunk_frames]
+    return out
+
+
 def anyflow_batch_loss(u_model: nn.Module, batch: dict, settings: AnyFlowSettings,
                        null_text: torch.Tensor,
                        null_mask: torch.Tensor, *, num_tokens: int,
@@ -425,8 +456,11 @@ def anyflow_batch_loss(u_model: nn.Module, batch: dict, settings: AnyFlowSetting
         return u_model(z, x0, t, null_b, null_mask_b, r)
 
     def delta_fn(z, t):
-        cond, uncond = flow.both_branches(teacher, z, t, text, mask, null_text, null_mask)
-        return cond - uncond
+        def direction(zv, tv):
+            cond, uncond = flow.both_branches(teacher, zv, tv, text, mask, null_text, null_mask)
+            return cond - uncond
+
+        return guidance_by_chunk(direction, x0, z, t, settings.teacher_chunk_frames)
 
     # Fusion applies to captioned samples; a dropped caption keeps the plain target (w = 1),
     # which trains u(. | null) on its own velocity.
@@ -506,10 +540,25 @@ def anyflow_pack_loss(u_model: nn.Module, batch: dict, settings: AnyFlowSettings
         return u_fn
 
     def delta_fn(zs, t):
-        n = len(zs)
-        both = teacher.forward_packed([z[0] for z in zs] * 2, [v[0] for v in t] * 2,
-                                      texts + null_texts, masks + null_masks)
-        return [(c - u)[None] for c, u in zip(both[:n], both[n:])]
+        def direction(zv, tv, picked):
+            n = len(picked)
+            both = teacher.forward_packed(
+                [v[0] for v in zv] * 2, [v[0] for v in tv] * 2,
+                [texts[i] for i in picked] + [null_texts[i] for i in picked],
+                [masks[i] for i in picked] + [null_masks[i] for i in picked])
+            return [(c - u)[None] for c, u in zip(both[:n], both[n:])]
+
+        chunk = settings.teacher_chunk_frames
+        if chunk is None:
+            return direction(zs, t, range(len(zs)))
+        out = [torch.empty_like(z) for z in zs]
+        for start in range(0, max(z.shape[2] for z in zs), chunk):
+            picked = [i for i, z in enumerate(zs) if z.shape[2] > start]
+            views = [context_view(x0s[i][None], zs[i], t[i], start) for i in picked]
+            found = direction([v for v, _ in views], [tv for _, tv in views], picked)
+            for i, delta in zip(picked, found):
+                out[i][:, :, start:start + chunk] = delta[:, :, start:start + chunk]
+        return out
 
     residuals, _ = anyflow_residual_groups(
         run(texts, masks), [x0[None] for x0 in x0s], noises, ts, rs,
