@@ -45,7 +45,7 @@ from benchmarks.flops import stage_step_flops_of  # noqa: E402
 
 TEACHER_STEPS = (1, 2, 4, 8, 50)
 STUDENT_STEPS = (1, 2, 4)
-ROWS = (("sft", TEACHER_STEPS), ("stage1", STUDENT_STEPS), ("stage2", STUDENT_STEPS))
+STAGES = ("sft", "stage1", "stage2")  # the rows of the table, in order; "sft" is the teacher
 ATTRIBUTES = ("colour", "shape", "direction", "speed", "count")
 
 
@@ -222,8 +222,10 @@ class ForwardCounter:
         self.handle.remove()
 
 
-def evaluate_stage(stage_dir: Path, steps_list, *, captions: int, seed: int, device: str):
-    """One row per step count: scores, function evaluations and wall time per clip."""
+def evaluate_stage(stage_dir: Path, *, captions: int, seed: int, device: str):
+    """One row per step count: scores, function evaluations and wall time per clip. A
+    bidirectional model (a teacher) at TEACHER_STEPS with its CFG, a causal one (a student)
+    at STUDENT_STEPS."""
     import torch
 
     from trainer.encoders.vae import latents_to_frames
@@ -237,7 +239,9 @@ def evaluate_stage(stage_dir: Path, steps_list, *, captions: int, seed: int, dev
     prompts = list(prompts[:captions])
     guidance = sampling_plan(loaded.args).guidance
     family = family_of(loaded.args)
-    pt, ph, pw = family.geometry(model_config(loaded.args)).patch_size
+    geometry = family.geometry(model_config(loaded.args))
+    steps_list = TEACHER_STEPS if geometry.causal_chunk_frames is None else STUDENT_STEPS
+    pt, ph, pw = geometry.patch_size
     _, t, h, w = loaded.latent_shape
     clip_tokens = (t // pt) * (h // ph) * (w // pw)
     # First touch of memory and kernels is slow (docs/performance.md): not part of a clip.
@@ -302,12 +306,14 @@ def run(ns: argparse.Namespace) -> dict:
     import torch
 
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    missing = [stage for stage in ns.stages if not (root / stage).is_dir()]
+    if missing:
+        raise SystemExit(f"quality: no stage directory {', '.join(str(root / s) for s in missing)}"
+                         f" (--stages names directories of --root {root}; train them first, or "
+                         f"leave them out of --stages)")
     rows = []
-    for stage, steps_list in ROWS:
-        if stage not in ns.stages:
-            continue
-        rows += evaluate_stage(root / stage, steps_list, captions=ns.captions, seed=ns.seed,
-                               device=device)
+    for stage in ns.stages:
+        rows += evaluate_stage(root / stage, captions=ns.captions, seed=ns.seed, device=device)
     out = Path(ns.out) if ns.out else root / "quality"
     out.mkdir(parents=True, exist_ok=True)
     result = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
@@ -336,9 +342,11 @@ def main(argv=None) -> int:
     p.add_argument("--train", action="store_true", help="train the pipeline into ROOT first")
     p.add_argument("--toy", action="store_true", help="a CPU-sized pipeline (smoke test)")
     p.add_argument("--captions", type=int, default=64, help="evaluation captions (at most 64)")
-    p.add_argument("--stages", type=lambda text: text.split(","), default=[s for s, _ in ROWS],
-                   help="comma-separated stages to evaluate (default sft,stage1,stage2): the "
-                        "teacher can be scored before the students are trained")
+    p.add_argument("--stages", type=lambda text: text.split(","), default=list(STAGES),
+                   help="comma-separated stage directories of ROOT to evaluate (default "
+                        "sft,stage1,stage2): the teacher can be scored before the students are "
+                        "trained; a bidirectional model is sampled at 1, 2, 4, 8 and 50 steps "
+                        "with its CFG, a causal student at 1, 2 and 4")
     p.add_argument("--seed", type=int, default=0, help="the evaluation's seed")
     p.add_argument("--seed-shift", type=int, default=0,
                    help="move every stage's training and data seed by this much (with "
@@ -346,10 +354,6 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--out", default=None, help="default: ROOT/quality")
     ns = parser.parse_args(argv)
-    unknown = sorted(set(getattr(ns, "stages", [])) - {s for s, _ in ROWS})
-    if unknown:
-        parser.error(f"--stages: no stage {', '.join(unknown)} (the stages are "
-                     f"{', '.join(s for s, _ in ROWS)})")
     if ns.command == "plan":
         print(plan_markdown(plan(ns.pipeline, ns.tflops, ns.pass_floor_ms / 1e3)), end="")
     else:

@@ -18,6 +18,12 @@ from benchmarks import quality  # noqa: E402
 PIPELINES = ["config/pipeline/bench.yaml", "config/pipeline/bench-wan.yaml"]
 
 
+@pytest.mark.parametrize("pipeline", PIPELINES + ["config/pipeline/bench-sparse.yaml"])
+def test_every_bench_pipeline_is_planned_within_twenty_minutes_on_one_gpu(pipeline):
+    found = quality.plan(str(REPO / pipeline))
+    assert found["total_minutes"] <= 20, found["total_minutes"]
+
+
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_bench_pipeline_is_planned_within_twenty_minutes_on_one_gpu(pipeline):
     found = quality.plan(str(REPO / pipeline))
@@ -121,3 +127,28 @@ def test_a_seed_shift_moves_every_training_and_data_seed_and_nothing_else(tmp_pa
         rest = {k: v for k, v in stage["overrides"].items() if k not in ("seed", "synthetic_seed")}
         assert rest == bench["stages"][name]["overrides"], name
     assert spec["cluster"] == bench["cluster"] and spec["root"] == str(tmp_path)
+
+
+@pytest.mark.timeout(900)
+def test_the_sparse_bench_scores_a_dense_and_a_sparse_fine_tune_of_one_teacher(tmp_path):
+    root = tmp_path / "bench-sparse"
+    proc = subprocess.run([sys.executable, "benchmarks/quality.py", "run", "--train", "--toy",
+                           "--pipeline", "config/pipeline/bench-sparse.yaml", "--root", str(root),
+                           "--captions", "2", "--stages", "sft,sft_sparse"], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads((root / "quality" / "results.json").read_text())
+    # both bidirectional: each sampled as a teacher, at every step count, with its CFG
+    assert [(r["stage"], r["steps"]) for r in result["rows"]] == [
+        (stage, s) for stage in ("sft", "sft_sparse") for s in (1, 2, 4, 8, 50)]
+    resolved = {name: json.loads((root / name / "resolved-config.json").read_text())
+                for name in ("sft", "sft_sparse")}
+    assert resolved["sft"]["video_attention_sparsity"] == 0.0
+    assert resolved["sft_sparse"]["video_attention_sparsity"] == 0.8
+    # one teacher, one data set: only the attention differs
+    for key in ("pretrained_transformer_path", "data_path", "seed", "max_steps"):
+        assert resolved["sft"][key] == resolved["sft_sparse"][key], key
+    proc = subprocess.run([sys.executable, "benchmarks/quality.py", "run", "--root", str(root),
+                           "--stages", "sft,stage1"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0 and "no stage directory" in proc.stderr
