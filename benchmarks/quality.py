@@ -78,7 +78,7 @@ EVALUATION_S = 35.0
 
 
 def _validations(args) -> int:
-    """Validations a run of max_steps makes (trainer.evaluation.validation.validation_due)."""
+    """Validations a run of max_steps makes (trainer.evaluation.validation.ValidationSettings.due)."""
     if args.validation_interval < 0:
         return 0
     if args.validation_interval == 0:

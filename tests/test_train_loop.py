@@ -401,3 +401,23 @@ def test_relay_sample_rejects_an_unreadable_first_frame_with_exit_2(tiny_trainer
                              "--prompt", "a red square moving left", "--first-frame", str(bad),
                              "--out", str(tmp_path / "s"), "--steps", "1")
     assert code == 2 and f"cannot read --first-frame {bad}" in stderr
+
+
+def test_validation_runs_every_interval_and_at_the_last_step_and_asks_sampling_once():
+    from trainer.evaluation.validation import ValidationSettings
+    from trainer.resolve import resolve_config
+    from trainer.stages.registry import sampling_plan
+
+    repo = Path(__file__).resolve().parents[1]
+
+    def due(interval):
+        args = resolve_config(str(repo / "config/tiny/stage1.yaml"),
+                              {"validation_interval": interval, "max_steps": 10,
+                               "validation_num_captions": 3}, cwd=repo, check_paths=False)
+        settings = ValidationSettings.of(args)
+        assert settings.plan == sampling_plan(args) and settings.num_captions == 3
+        return [step for step in range(1, 11) if settings.due(step)]
+
+    assert due(4) == [4, 8, 10]
+    assert due(0) == [10]
+    assert due(-1) == []

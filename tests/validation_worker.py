@@ -23,6 +23,7 @@ import torch
 from test_data_train import MODEL
 from trainer import train
 from trainer.encoders import vae
+from trainer.evaluation.validation import ValidationSettings
 from trainer.resolve import resolve_args
 from trainer.stages.registry import build_stage
 from trainer.parallel.distributed import barrier, destroy, init_distributed
@@ -40,7 +41,7 @@ def main() -> None:
     topo = init_distributed(args.cp_size, backend="gloo")
     torch.manual_seed(args.seed)  # as train.py: the same initial weights on every rank
     stage = build_stage(args, topo)
-    metrics = train._validate(stage, args, 1, out, topo)
+    metrics = train._validate(stage, ValidationSettings.of(args), 1, out, topo)
     report = {"sharded": topo.fsdp_mesh is not None,
               "vae_loaded": vae._cached_vae.cache_info().currsize, "metrics": sorted(metrics)}
     (out / f"rank-{topo.rank}.json").write_text(json.dumps(report))

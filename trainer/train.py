@@ -40,7 +40,7 @@ from trainer.models.registry import family_of
 from trainer.stages.base import NonFiniteError
 from trainer.stages.registry import build_stage, stage_of
 from trainer.runtime.tracking import MetricsWriter, Progress, WandbReporter
-from trainer.evaluation.validation import run_validation, validation_due
+from trainer.evaluation.validation import ValidationSettings, run_validation
 
 log = logging.getLogger("relay")
 
@@ -189,6 +189,7 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
         return 0
     metrics = MetricsWriter(out, enabled=topo.is_main)
     metrics.truncate_after(start_step)
+    validation = ValidationSettings.of(args)
     gate = HealthGate(HealthSettings.of(
         args, watches_samples=stage_of(args).health_watches_samples))
     gate.replay(metrics.path, start_step)
@@ -208,13 +209,13 @@ def _train(args: ResolvedArgs, topo: Topology, out: Path, handler: PreemptionHan
             step_time = time.perf_counter() - t0
             window_samples += numbers.pop("samples", 0)
             record = None
-            validate = validation_due(args, step)
+            validate = validation.due(step)
             if step % args.log_interval == 0 or step == args.max_steps or validate:
                 elapsed = time.perf_counter() - window_start
                 record = _metrics_record(step, numbers, step_time, window_samples, elapsed,
                                          stage, topo)
                 if validate:
-                    record.update(_validate(stage, args, step, out, topo))
+                    record.update(_validate(stage, validation, step, out, topo))
                 metrics.write(record)
                 tracker.log(record)
                 window_start, window_samples = time.perf_counter(), 0
@@ -290,7 +291,8 @@ def _kept_advice(out: Path, step: int, kept: Path | None, onset: int | None) -> 
             f"the checkpoints after it out of {out} and run again with the change above.")
 
 
-def _validate(stage, args: ResolvedArgs, step: int, out: Path, topo: Topology) -> dict:
+def _validate(stage, settings: ValidationSettings, step: int, out: Path,
+              topo: Topology) -> dict:
     """Rank 0 samples, scores and writes; a failure is logged, never fatal to training.
 
     A sharded model needs every rank in each forward (the blocks' all-gathers), so then every
@@ -299,7 +301,7 @@ def _validate(stage, args: ResolvedArgs, step: int, out: Path, topo: Topology) -
     scores: dict = {}
     if topo.is_main or topo.fsdp_mesh is not None:
         try:
-            scores = run_validation(stage, args, step, out, stage.data.latent_shape,
+            scores = run_validation(stage, settings, step, out, stage.data.latent_shape,
                                     main=topo.is_main)
         except Exception:
             log.exception("validation at step %d failed; training goes on", step)

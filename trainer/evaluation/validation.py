@@ -19,6 +19,7 @@ error and training goes on.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -28,13 +29,40 @@ import torch
 log = logging.getLogger("relay")
 
 
-def validation_due(args, step: int) -> bool:
-    """Whether `step` validates: every validation_interval steps and at the last step."""
-    if args.validation_interval < 0:
-        return False
-    if step == args.max_steps:
-        return True
-    return args.validation_interval > 0 and step % args.validation_interval == 0
+@dataclasses.dataclass(frozen=True)
+class ValidationSettings:
+    """The keys validation reads, typed once per run: when it runs, which captions and weights,
+    the seed, the compute dtype and VAE of the samples, and the stage's sampling plan (asked
+    once: trainer.stages.declaration.SamplingPlan)."""
+
+    interval: int            # validation_interval: < 0 never, 0 at the last step only
+    max_steps: int
+    num_captions: int
+    seed: int
+    weights: str             # validation_weights: live | ema | both
+    generator: str           # synthetic_generator: whose captions and checker
+    dtype: str
+    vae_path: str | None
+    stage: str
+    plan: object             # SamplingPlan
+
+    @classmethod
+    def of(cls, args) -> "ValidationSettings":
+        from trainer.stages.registry import sampling_plan
+
+        return cls(interval=args.validation_interval, max_steps=args.max_steps,
+                   num_captions=args.validation_num_captions, seed=args.validation_seed,
+                   weights=args.validation_weights,
+                   generator=args.get("synthetic_generator", "shapes"), dtype=args.dtype,
+                   vae_path=args.vae_path, stage=args.stage, plan=sampling_plan(args))
+
+    def due(self, step: int) -> bool:
+        """Whether `step` validates: every `interval` steps and at the last step."""
+        if self.interval < 0:
+            return False
+        if step == self.max_steps:
+            return True
+        return self.interval > 0 and step % self.interval == 0
 
 
 def validation_captions(count: int, generator: str = "shapes") -> list[str]:
@@ -50,8 +78,8 @@ def validation_captions(count: int, generator: str = "shapes") -> list[str]:
     return picks
 
 
-def run_validation(stage, args, step: int, output_dir: Path, latent_shape,
-                   main: bool = True) -> dict:
+def run_validation(stage, settings: ValidationSettings, step: int, output_dir: Path,
+                   latent_shape, main: bool = True) -> dict:
     """Sample, score and save; returns metrics {"val/<weights>/colour_accuracy": ...}.
 
     main=False only samples and returns {}: the other ranks of a sharded model, which must take
@@ -60,19 +88,17 @@ def run_validation(stage, args, step: int, output_dir: Path, latent_shape,
     """
     from trainer.evaluation.evaluate import summary_scores
     from trainer.evaluation.sample_stats import clip_statistics
-    from trainer.stages.registry import sampling_plan
 
     started = time.perf_counter()
-    generator = args.get("synthetic_generator", "shapes")
-    captions = validation_captions(args.validation_num_captions, generator)
-    plan = sampling_plan(args)
-    steps, guidance = plan.steps, plan.guidance
+    generator = settings.generator
+    captions = validation_captions(settings.num_captions, generator)
     out = output_dir / "samples" / f"step-{step}"
-    manifest = {"step": step, "stage": args.stage, "captions": captions, "sampler_steps": steps,
-                "guidance": guidance, "seed": args.validation_seed, "weights": {}}
+    manifest = {"step": step, "stage": settings.stage, "captions": captions,
+                "sampler_steps": settings.plan.steps, "guidance": settings.plan.guidance,
+                "seed": settings.seed, "weights": {}}
     # Every set of weights is sampled before anything is decoded: a decode that fails on the
     # main rank must not leave the others waiting in a forward it no longer runs.
-    sampled = list(_sample_each_weights(stage, args, captions, latent_shape, plan))
+    sampled = list(_sample_each_weights(stage, settings, captions, latent_shape))
     if not main:
         return {}
     from trainer.runtime.files import write_json
@@ -80,7 +106,7 @@ def run_validation(stage, args, step: int, output_dir: Path, latent_shape,
 
     metrics, blocks = {}, []
     for weights, latents in sampled:
-        clips, scores, files = _decode_and_score(args, generator, latents, captions, out / weights)
+        clips, scores, files = _decode_and_score(settings, latents, captions, out / weights)
         # the checker's scores, and what any data shows (the health gate's collapse checks)
         summary = {**summary_scores(scores), **clip_statistics(clips)}
         manifest["weights"][weights] = {**summary, "per_caption": scores["per_caption"],
@@ -101,42 +127,43 @@ def run_validation(stage, args, step: int, output_dir: Path, latent_shape,
     return metrics
 
 
-def _sample_each_weights(stage, args, captions: list[str], latent_shape, plan):
+def _sample_each_weights(stage, settings: ValidationSettings, captions: list[str],
+                         latent_shape):
     """(weights name, sampled latents [captions, C, T, H, W]) for each validated set of
-    weights, with the stage's sampler and settings (`plan`, trainer.stages.declaration's
-    SamplingPlan); the model is in eval mode while sampling and back in its mode between
-    yields."""
+    weights, with the stage's sampler and settings (`settings.plan`); the model is in eval
+    mode while sampling and back in its mode between yields."""
     from trainer.stages.base import autocast_context
 
     model = stage.sampling_model()
     device = next(model.parameters()).device
     text, mask = stage.text_encoder.encode(captions)
     null_text, null_mask = stage.text_encoder.null_embedding()
+    plan = settings.plan
     sampler = plan.load_sampler()
-    for weights, context in _weight_contexts(stage, model, args.validation_weights):
+    for weights, context in _weight_contexts(stage, model, settings.weights):
         was_training = model.training
         model.eval()
         try:
             # the training step's compute dtype: a float32 sample of a real-size clip runs
             # the attention at float32 (minutes at Wan2.1-1.3B's 32,760 tokens)
-            with context, autocast_context(device, args.dtype):
+            with context, autocast_context(device, settings.dtype):
                 latents = sampler(model, text.to(device), mask.to(device), null_text.to(device),
                                   null_mask.to(device), shape=(len(captions), *latent_shape),
                                   steps=plan.steps, guidance=plan.guidance, shift=plan.shift,
-                                  generator=torch.Generator().manual_seed(args.validation_seed))
+                                  generator=torch.Generator().manual_seed(settings.seed))
         finally:
             model.train(was_training)
         yield weights, latents
 
 
-def _decode_and_score(args, generator: str, latents, captions: list[str], out: Path):
+def _decode_and_score(settings: ValidationSettings, latents, captions: list[str], out: Path):
     """(uint8 clips, the pixel checker's report, the files written under `out`)."""
     from trainer.evaluation.evaluate import evaluation_suite
     from trainer.evaluation.media import write_validation_files
     from trainer.encoders.vae import latents_to_clips
 
-    clips = latents_to_clips(latents, args.vae_path)
-    scores = evaluation_suite(generator)[1](clips, captions)
+    clips = latents_to_clips(latents, settings.vae_path)
+    scores = evaluation_suite(settings.generator)[1](clips, captions)
     return clips, scores, write_validation_files(clips, out)
 
 
