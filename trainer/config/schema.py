@@ -59,7 +59,9 @@ SECTIONS: dict[str, list[Arg]] = {
             "directory."),
         Arg("zero_init_modulation", "bool", True,
             "adaLN-Zero: initialise every modulation gate and the output head to zero, so a new "
-            "model starts as the identity. Top-level only; never inside the overrides."),
+            "model starts as the identity. Read by the dit family only (a wan model built from "
+            "scratch starts from PyTorch's default initialisation). Top-level only; never "
+            "inside the overrides."),
         Arg("video_attention_sparsity", "float", 0.0,
             "Sparse video self-attention (docs/model.md, \"Sparse video attention\"): the "
             "fraction of video key tiles each query tile skips, in [0, 1). The video tokens are "
