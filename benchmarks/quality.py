@@ -161,17 +161,15 @@ def derive_pipeline(root: Path, pipeline: Path, *, toy: bool = False, seed_shift
     import yaml
     from omegaconf import OmegaConf
 
+    from trainer.config.args import load_yaml_config
     from trainer.models.registry import get_family
 
     spec = OmegaConf.to_container(OmegaConf.load(pipeline), resolve=False)
     stages = {}
     for name, stage in spec["stages"].items():
         config = str(REPO / stage["config"])
-        sections = yaml.safe_load(Path(config).read_text()) or {}
-        flat = {k: v for section in sections.values() if isinstance(section, dict)
-                for k, v in section.items()}
         overrides = dict(stage.get("overrides") or {})
-        settings = {**flat, **overrides}
+        settings = {**load_yaml_config(config), **overrides}
         if toy:
             family = get_family(settings.get("model_family", "dit"))
             shape = settings.get("transformer_config_overrides") or {}
@@ -354,6 +352,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--out", default=None, help="default: ROOT/quality")
     ns = parser.parse_args(argv)
+    if getattr(ns, "seed_shift", 0) < 0:
+        parser.error(f"--seed-shift must be >= 0 (it is added to every stage's seed, and seeds "
+                     f"are not negative), got {ns.seed_shift}; pick e.g. 20")
     if ns.command == "plan":
         print(plan_markdown(plan(ns.pipeline, ns.tflops, ns.pass_floor_ms / 1e3)), end="")
     else:
