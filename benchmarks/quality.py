@@ -223,12 +223,10 @@ class ForwardCounter:
 def evaluate_stage(stage_dir: Path, *, captions: int, seed: int, device: str):
     """One row per step count: scores, function evaluations and wall time per clip. A
     bidirectional model (a teacher) at TEACHER_STEPS with its CFG, a causal one (a student)
-    at STUDENT_STEPS."""
-    import torch
-
-    from trainer.encoders.vae import latents_to_frames
-    from trainer.evaluation.evaluate import evaluation_suite, summary_scores
-    from trainer.evaluation.inference import generate, load_model_for_inference
+    at STUDENT_STEPS. A run trained with sparse video attention is scored twice: densely (as
+    diffusers runs the exported weights) and with the sparse attention it trained with."""
+    from trainer.evaluation.evaluate import evaluation_suite
+    from trainer.evaluation.inference import apply_attention, load_model_for_inference
     from trainer.models.registry import family_of, model_config
     from trainer.stages.registry import sampling_plan
 
@@ -242,6 +240,26 @@ def evaluate_stage(stage_dir: Path, *, captions: int, seed: int, device: str):
     pt, ph, pw = geometry.patch_size
     _, t, h, w = loaded.latent_shape
     clip_tokens = (t // pt) * (h // ph) * (w // pw)
+    rows = []
+    for attention in ("dense", "trained"):
+        loaded.attention = apply_attention(loaded.model, loaded.args, attention)
+        if attention == "trained" and loaded.attention == "dense":
+            break  # trained dense: the dense rows are its rows
+        rows += _score_step_counts(loaded, family, prompts, score, steps_list, guidance,
+                                   seed=seed, device=device, clip_tokens=clip_tokens,
+                                   stage=stage_dir.name)
+    return rows
+
+
+def _score_step_counts(loaded, family, prompts, score, steps_list, guidance, *, seed: int,
+                       device: str, clip_tokens: int, stage: str) -> list[dict]:
+    """The rows of one loaded model, one per step count."""
+    import torch
+
+    from trainer.encoders.vae import latents_to_frames
+    from trainer.evaluation.evaluate import summary_scores
+    from trainer.evaluation.inference import generate
+
     # First touch of memory and kernels is slow (docs/performance.md): not part of a clip.
     generate(loaded, prompts[:1], steps=1, guidance=guidance, seed=seed)
     rows = []
@@ -254,8 +272,9 @@ def evaluate_stage(stage_dir: Path, *, captions: int, seed: int, device: str):
         seconds = time.perf_counter() - started
         counter.close()
         report = score([latents_to_frames(x) for x in latents], prompts)
-        rows.append({"stage": stage_dir.name, "checkpoint": str(loaded.checkpoint),
-                     "weights": loaded.weights, "steps": steps, "guidance": guidance,
+        rows.append({"stage": stage, "checkpoint": str(loaded.checkpoint),
+                     "weights": loaded.weights, "attention": loaded.attention, "steps": steps,
+                     "guidance": guidance,
                      "nfe": counter.tokens / (len(prompts) * clip_tokens),
                      "seconds_per_clip": seconds / len(prompts), **summary_scores(report)})
     return rows
@@ -269,14 +288,15 @@ def _synchronize(torch, device: str) -> None:
 def results_markdown(rows: list[dict]) -> str:
     """The results table: one row per stage and step count, and each one's gap to the
     teacher at its most steps."""
-    reference = max((r for r in rows if r["stage"] == "sft"), key=lambda r: r["steps"],
-                    default=None)
+    reference = max((r for r in rows if r["stage"] == "sft" and r["attention"] == "dense"),
+                    key=lambda r: r["steps"], default=None)
     head = ["stage", "steps", "CFG", *ATTRIBUTES, "mean", "fidelity", "temporal", "NFE/clip",
             "ms/clip", "mean vs teacher@max"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         gap = (r["mean_score"] - reference["mean_score"]) * 100 if reference else float("nan")
-        cells = [r["stage"], str(r["steps"]), f"{r['guidance']:g}",
+        label = r["stage"] if r["attention"] == "dense" else f"{r['stage']} ({r['attention']})"
+        cells = [label, str(r["steps"]), f"{r['guidance']:g}",
                  *(f"{r[f'{a}_accuracy']:.0%}" for a in ATTRIBUTES), f"{r['mean_score']:.1%}",
                  f"{r['fidelity']:.3f}", f"{r['temporal_consistency']:.3f}", f"{r['nfe']:.1f}",
                  f"{r['seconds_per_clip'] * 1e3:.1f}", f"{gap:+.1f} pt"]

@@ -30,7 +30,7 @@ def cmd_sample(ns: argparse.Namespace) -> int:
     try:
         paths = sample_to_dir(ns.checkpoint, ns.prompt, out_dir=ns.out, steps=ns.steps,
                               guidance=ns.guidance, seed=ns.seed, weights=ns.weights,
-                              first_frame=ns.first_frame)
+                              first_frame=ns.first_frame, attention=ns.attention)
     except InferenceError as exc:
         print(f"relay sample: {exc}", file=sys.stderr)
         return 2
@@ -44,7 +44,8 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 
     try:
         report = evaluate_checkpoint(ns.checkpoint, steps=ns.steps, guidance=ns.guidance,
-                                     seed=ns.seed, weights=ns.weights, out=ns.out)
+                                     seed=ns.seed, weights=ns.weights, out=ns.out,
+                                     attention=ns.attention)
     except InferenceError as exc:
         print(f"relay eval: {exc}", file=sys.stderr)
         return 2
@@ -52,7 +53,8 @@ def cmd_eval(ns: argparse.Namespace) -> int:
                        if k.endswith("_accuracy") and k != "both_accuracy")
     extra = "".join(f", {k} {report[k]:.3f}" for k in ("fidelity", "temporal_consistency")
                     if k in report)
-    print(f"{scores}{extra} over {len(report['per_caption'])} clips -> {report['path']}")
+    print(f"{scores}{extra} over {len(report['per_caption'])} clips, {report['attention']} "
+          f"attention -> {report['path']}")
     return 0
 
 
@@ -445,6 +447,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--weights", choices=("auto", "ema", "live"), default="auto",
                        help="auto: EMA when the checkpoint has one, else live")
+        p.add_argument("--attention", choices=("dense", "trained"), default="dense",
+                       help="dense: full video self-attention, as diffusers runs the weights; "
+                            "trained: the sparse video attention the run trained with "
+                            "(video_attention_sparsity and _tile of its config; dense for a "
+                            "run trained dense)")
 
     p = sub.add_parser("sample", help="generate a clip for a prompt")
     add_model_args(p, steps=30)

@@ -138,9 +138,16 @@ def test_the_sparse_bench_scores_a_dense_and_a_sparse_fine_tune_of_one_teacher(t
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads((root / "quality" / "results.json").read_text())
-    # both bidirectional: each sampled as a teacher, at every step count, with its CFG
-    assert [(r["stage"], r["steps"]) for r in result["rows"]] == [
-        (stage, s) for stage in ("sft", "sft_sparse") for s in (1, 2, 4, 8, 50)]
+    # both bidirectional: each sampled as a teacher, at every step count, with its CFG; the
+    # sparse fine-tune twice, densely (as diffusers runs it) and with the attention it trained
+    rows = result["rows"]
+    sampled_sparse = "sparse 0.8, tile 2x4x4"
+    assert [(r["stage"], r["attention"], r["steps"]) for r in rows] == [
+        (stage, attention, s) for stage, attention in
+        (("sft", "dense"), ("sft_sparse", "dense"), ("sft_sparse", sampled_sparse))
+        for s in (1, 2, 4, 8, 50)]
+    table = (root / "quality" / "results.md").read_text()
+    assert f"| sft_sparse ({sampled_sparse}) | 50 |" in table
     resolved = {name: json.loads((root / name / "resolved-config.json").read_text())
                 for name in ("sft", "sft_sparse")}
     assert resolved["sft"]["video_attention_sparsity"] == 0.0

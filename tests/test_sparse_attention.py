@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -219,6 +220,23 @@ def test_a_sparse_wan_sft_trains_resumes_bit_for_bit_and_exports_dense(tmp_path,
 
     model = WanTransformer3DModel.from_pretrained(str(out / "transformer"))  # a dense model
     assert model.config.num_layers == tiny.TRANSFORMER["num_layers"]
+
+    # relay samples it densely unless asked for the attention it trained with
+    frames = {}
+    for attention in ("dense", "trained"):
+        code = relay_main(["sample", "--checkpoint", str(tmp_path / "straight"), "--prompt",
+                           "a red square moving right", "--steps", "2", "--attention", attention,
+                           "--out", str(tmp_path / attention)])
+        assert code == 0, capsys.readouterr().err
+        frames[attention] = np.load(tmp_path / attention / "frames.npy")
+    assert frames["dense"].shape == frames["trained"].shape
+    assert not np.array_equal(frames["dense"], frames["trained"])
+    code = relay_main(["eval", "--checkpoint", str(tmp_path / "straight"), "--steps", "2",
+                       "--attention", "trained", "--out", str(tmp_path / "eval.json")])
+    assert code == 0, capsys.readouterr().err
+    assert "sparse 0.5, tile 1x2x2 attention" in capsys.readouterr().out
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["attention"] == "sparse 0.5, tile 1x2x2"
 
 
 # --------------------------------------------------------------------------------------------

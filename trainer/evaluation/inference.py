@@ -34,6 +34,7 @@ class LoadedModel:
     checkpoint: Path
     weights: str
     latent_shape: tuple[int, int, int, int]  # [C, T, H, W] of one sample
+    attention: str = "dense"  # how video self-attention runs: "dense" or "sparse S, tile TxHxW"
 
     @property
     def step(self) -> int:
@@ -92,9 +93,19 @@ def _members(checkpoint: Path) -> list[str]:
     return list(json.loads((checkpoint / "COMPLETE").read_text()).get("members", []))
 
 
+ATTENTION_CHOICES = ("dense", "trained")
+
+
 def load_model_for_inference(path: str | Path, weights: str = "auto",
-                             device: torch.device | str = "cpu") -> LoadedModel:
-    """Rebuild and load the model of a checkpoint. weights: auto (EMA if saved), ema, live."""
+                             device: torch.device | str = "cpu",
+                             attention: str = "dense") -> LoadedModel:
+    """Rebuild and load the model of a checkpoint. weights: auto (EMA if saved), ema, live.
+    attention: dense (full video self-attention, as diffusers runs the weights) or trained
+    (the sparse video attention the run trained with, at its target sparsity; dense for a
+    run trained dense)."""
+    if attention not in ATTENTION_CHOICES:
+        raise InferenceError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, "
+                             f"got {attention!r}.")
     from trainer.build import build_model, build_text_encoder
 
     checkpoint = resolve_checkpoint_dir(path)
@@ -121,7 +132,24 @@ def load_model_for_inference(path: str | Path, weights: str = "auto",
     model.eval()
     return LoadedModel(model=model, args=args, text_encoder=build_text_encoder(args),
                        checkpoint=checkpoint, weights=weights,
-                       latent_shape=_latent_shape(args))
+                       latent_shape=_latent_shape(args),
+                       attention=apply_attention(model, args, attention))
+
+
+def apply_attention(model: nn.Module, args: ResolvedArgs, attention: str) -> str:
+    """Makes the model's video self-attention dense, or (`attention` "trained") the sparse
+    attention its run trained with; returns what it now runs, for reports."""
+    sparsity = args.get("video_attention_sparsity") or 0.0
+    if sparsity <= 0:
+        return "dense"  # never set: the dense path
+    from trainer.models.sparse_attention import set_video_attention_sparsity
+
+    tile = args.video_attention_tile
+    if attention != "trained":
+        set_video_attention_sparsity(model, 0.0, tile)
+        return "dense"
+    set_video_attention_sparsity(model, sparsity, tile)
+    return f"sparse {sparsity:g}, tile {'x'.join(str(x) for x in tile)}"
 
 
 def _latent_shape(args: ResolvedArgs) -> tuple[int, int, int, int]:
@@ -177,12 +205,13 @@ def _load_first_frame(path: str, loaded: LoadedModel) -> torch.Tensor:
 
 def sample_to_dir(checkpoint: str, prompt: str, *, out_dir: str, steps: int | None,
                   guidance: float | None,
-                  seed: int, weights: str = "auto", first_frame: str | None = None) -> dict:
+                  seed: int, weights: str = "auto", first_frame: str | None = None,
+                  attention: str = "dense") -> dict:
     """`relay sample`: one clip for one prompt, written as video, contact sheet and frames."""
     from trainer.evaluation.media import write_clip_files
     from trainer.encoders.vae import latents_to_clips
 
-    loaded = load_model_for_inference(checkpoint, weights)
+    loaded = load_model_for_inference(checkpoint, weights, attention=attention)
     cond = _load_first_frame(first_frame, loaded) if first_frame else None
     latents = generate(loaded, [prompt], steps=steps, guidance=guidance, seed=seed,
                        first_frame=cond)
@@ -209,14 +238,16 @@ def evaluate_loaded(loaded: LoadedModel, *, steps: int | None, guidance: float |
     latents = generate(loaded, captions, steps=steps, guidance=guidance, seed=seed)
     report = score(latents_to_clips(latents, loaded.args.get("vae_path")), captions)
     report.update({"checkpoint": str(loaded.checkpoint), "weights": loaded.weights,
-                   "steps": steps, "guidance": guidance, "seed": seed, "step": loaded.step})
+                   "attention": loaded.attention, "steps": steps, "guidance": guidance,
+                   "seed": seed, "step": loaded.step})
     return report
 
 
 def evaluate_checkpoint(checkpoint: str, *, steps: int | None, guidance: float | None, seed: int,
-                        weights: str = "auto", out: str | None = None) -> dict:
+                        weights: str = "auto", out: str | None = None,
+                        attention: str = "dense") -> dict:
     """`relay eval`: score a checkpoint and write eval.json (default: in its run directory)."""
-    loaded = load_model_for_inference(checkpoint, weights)
+    loaded = load_model_for_inference(checkpoint, weights, attention=attention)
     report = evaluate_loaded(loaded, steps=steps, guidance=guidance, seed=seed)
     path = Path(out) if out else loaded.checkpoint.parent / "eval.json"
     path.parent.mkdir(parents=True, exist_ok=True)
