@@ -69,12 +69,26 @@ TFLOPS = 43.0
 PASS_FLOOR_S = 1.8e-3
 # What a stage costs besides its steps, measured in the same run: start-up (process start,
 # model build, compiling the blocks; Stage2 compiles three roles and the chunked attention) with
-# the final checkpoint; generating a synthetic clip on the host; one validation during training;
-# and the evaluation of all three rows on 64 captions.
+# the final checkpoint; generating a synthetic clip on the host; one validation during training.
 STAGE_START_S = {"fm": 35.0, "tf_anyflow": 105.0, "dmd_sgf": 125.0}
 DATA_S_PER_CLIP = 1.2e-3  # 16,384 clips in ~20 s by 8 worker processes on 16 cores
 VALIDATION_S = 3.0
-EVALUATION_S = 35.0
+# The evaluation scores every stage after the first on 64 captions: per stage a load and a
+# warm-up, then its rows, whose cost follows the video tokens through the model (NFE per caption
+# x video tokens x 64). Fitted to two runs: the benchmark's three stages at 512 tokens, 31 s
+# (H200, FA4) and bench-sparse's two fine-tunes at 1,024 tokens, 77 s (H100, flex).
+EVAL_STAGE_S = 3.6
+EVAL_S_PER_MTOKEN = 4.1
+EVAL_CAPTIONS = 64
+
+
+def evaluation_nfe(args) -> int:
+    """Function evaluations per caption of a stage's rows in the evaluation: a bidirectional
+    (FM) model at TEACHER_STEPS with CFG (2 a step), scored twice when trained sparse; a causal
+    student at STUDENT_STEPS (n + 1 each: the commit pass per chunk)."""
+    if args.stage != "fm":
+        return sum(n + 1 for n in STUDENT_STEPS)
+    return 2 * sum(TEACHER_STEPS) * (2 if args.video_attention_sparsity > 0 else 1)
 
 
 def _validations(args) -> int:
@@ -91,13 +105,13 @@ def plan(pipeline_path: str, tflops: float = TFLOPS, pass_floor_s: float = PASS_
     """Minutes of every stage of a pipeline: its steps at `tflops` TFLOP/s achieved, a step taking
     at least `pass_floor_s` per forward pass per layer, plus its start-up, the synthetic data it
     generates first (a data_path no earlier stage wrote), its validations, and in all the
-    evaluation. Torch-free."""
+    evaluation of every stage after the first. Torch-free."""
     from launcher.pipeline import load_pipeline_yaml
     from trainer.resolve import resolve_config
 
     spec = load_pipeline_yaml(pipeline_path)
-    stages, total, generated = [], EVALUATION_S / 60, set()
-    for name, stage in spec["stages"].items():
+    stages, total, generated, evaluation_s = [], 0.0, set(), 0.0
+    for index, (name, stage) in enumerate(spec["stages"].items()):
         overrides = {k: v for k, v in (stage.get("overrides") or {}).items()}
         args = resolve_config(str(REPO / stage["config"]), overrides, check_paths=False)
         work = stage_work(args)
@@ -113,12 +127,16 @@ def plan(pipeline_path: str, tflops: float = TFLOPS, pass_floor_s: float = PASS_
                    + _validations(args) * VALIDATION_S)
         minutes = (step_s * args.max_steps + other_s) / 60
         total += minutes
+        if index:  # scored
+            evaluation_s += EVAL_STAGE_S + EVAL_S_PER_MTOKEN * 1e-6 * (
+                evaluation_nfe(args) * work["video_tokens"] * EVAL_CAPTIONS)
         stages.append({"stage": name, "objective": args.stage, "max_steps": args.max_steps,
                        "batch": batch, **work, "step_tflop": step_flops / 1e12,
                        "step_s": step_s, "validations": _validations(args),
                        "other_s": other_s, "minutes": minutes})
     return {"pipeline": pipeline_path, "tflops": tflops, "pass_floor_s": pass_floor_s,
-            "stages": stages, "evaluation_s": EVALUATION_S, "total_minutes": total}
+            "stages": stages, "evaluation_s": evaluation_s,
+            "total_minutes": total + evaluation_s / 60}
 
 
 def plan_markdown(found: dict) -> str:

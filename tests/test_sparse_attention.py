@@ -76,7 +76,10 @@ def test_sparsity_zero_is_the_dense_path_bit_for_bit(family):
     assert torch.equal(got, want)
     assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads))
     set_video_attention_sparsity(model, 0.5, (2, 2, 2))  # and the option really acts
-    assert not torch.equal(model(*inputs), want)
+    sparse = model(*inputs)
+    assert not torch.equal(sparse, want)
+    set_video_attention_sparsity(model, 0.5, (2, 2, 2), own_tile=True)  # and so does own_tile
+    assert not torch.equal(model(*inputs), sparse)
 
 
 @pytest.mark.parametrize("family", ["dit", "wan"])
@@ -125,6 +128,23 @@ def test_the_selection_is_the_top_k_of_the_coarse_scores():
         assert torch.equal(chosen[..., :9], want)
         assert bool((chosen[..., :9].sum(-1) == keep).all())
     assert keep_for(0.999, 9) == 1 and keep_for(0.0, 9) == 9
+
+
+def test_own_tile_keeps_each_query_tiles_own_key_tile_within_the_same_count():
+    g = torch.Generator().manual_seed(1)
+    block, num_video = 8, 8 * 9
+    q = torch.randn(1, num_video, 4, 16, generator=g)
+    k = torch.randn(1, num_video, 4, 16, generator=g)
+    keep = keep_for(0.8, 9)  # 2 of 9
+    top = select_key_blocks(q, k, block, num_video, keep)
+    own = select_key_blocks(q, k, block, num_video, keep, own_tile=True)
+    diagonal = torch.eye(9, dtype=torch.bool)
+    assert not bool(top[..., diagonal].all())  # the coarse scores alone drop some own tiles
+    assert bool(own[..., diagonal].all())
+    assert bool((own.sum(-1) == keep).all())  # the same cost
+    # where the own tile was among the top k anyway, the choice is the same
+    same = top[..., diagonal]
+    assert torch.equal(own[same], top[same])
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -178,6 +198,7 @@ def _wan_argv(root: Path, out: Path, steps: int) -> list[str]:
             "--validation_interval", "-1", "--data_path", str(root / "data"),
             "--output_dir", str(out), "--max_steps", str(steps), "--save_interval", "2",
             "--video_attention_sparsity", "0.5", "--video_attention_tile", "[1, 2, 2]",
+            "--video_attention_own_tile", "true",
             "--video_attention_sparsity_warmup_steps", "2"]
 
 
@@ -216,6 +237,7 @@ def test_a_sparse_wan_sft_trains_resumes_bit_for_bit_and_exports_dense(tmp_path,
     assert "trained with sparse video attention" in captured.out
     note = json.loads((out / "relay-sampling.json").read_text())["trained_sparse"]
     assert note["video_attention_sparsity"] == 0.5 and note["video_attention_tile"] == [1, 2, 2]
+    assert note["video_attention_own_tile"] is True
     from diffusers import WanTransformer3DModel
 
     model = WanTransformer3DModel.from_pretrained(str(out / "transformer"))  # a dense model
@@ -234,9 +256,9 @@ def test_a_sparse_wan_sft_trains_resumes_bit_for_bit_and_exports_dense(tmp_path,
     code = relay_main(["eval", "--checkpoint", str(tmp_path / "straight"), "--steps", "2",
                        "--attention", "trained", "--out", str(tmp_path / "eval.json")])
     assert code == 0, capsys.readouterr().err
-    assert "sparse 0.5, tile 1x2x2 attention" in capsys.readouterr().out
+    assert "sparse 0.5, tile 1x2x2, own tile attention" in capsys.readouterr().out
     report = json.loads((tmp_path / "eval.json").read_text())
-    assert report["attention"] == "sparse 0.5, tile 1x2x2"
+    assert report["attention"] == "sparse 0.5, tile 1x2x2, own tile"
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,6 +284,8 @@ def test_invalid_keys_are_refused(tmp_path):
                                                  "--video_attention_tile", "[2, 0, 8]")
     assert "three positive integers" in _refusal(*base, "--video_attention_tile", "[2, 8]")
     assert "must be >= 0" in _refusal(*base, "--video_attention_sparsity_warmup_steps", "-1")
+    assert "leave video_attention_own_tile out" in _refusal(*base, "--video_attention_own_tile",
+                                                            "true")
     args, _ = _resolve(*base, "--video_attention_sparsity", "0.9")  # the tiny DiT takes it
     assert args.video_attention_sparsity == 0.9
 

@@ -268,7 +268,8 @@ def _set_attention_sparsity(stage, args: ResolvedArgs, step: int) -> float | Non
     sparsity = current_sparsity(args.video_attention_sparsity,
                                 args.video_attention_sparsity_warmup_steps, step)
     for model in stage.roles.values():
-        set_video_attention_sparsity(model, sparsity, args.video_attention_tile)
+        set_video_attention_sparsity(model, sparsity, args.video_attention_tile,
+                                     args.video_attention_own_tile)
     return sparsity
 
 

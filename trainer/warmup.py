@@ -157,7 +157,8 @@ def warm_up_kernels(args: ResolvedArgs, device: torch.device | str,
     if args.video_attention_sparsity > 0:  # the sparse kernels, at the target (one compile for any)
         from trainer.models.sparse_attention import set_video_attention_sparsity
 
-        set_video_attention_sparsity(model, args.video_attention_sparsity, args.video_attention_tile)
+        set_video_attention_sparsity(model, args.video_attention_sparsity, args.video_attention_tile,
+                                     args.video_attention_own_tile)
     batch = _random_batch(shapes, device)
     built = time.perf_counter()
     with _Heartbeat("in the forward pass", heartbeat_s):

@@ -42,6 +42,12 @@ def validate_sparse_attention(args: ResolvedArgs) -> None:
             f"`video_attention_sparsity_warmup_steps` must be >= 0 (0: the target sparsity "
             f"from the first step), got {warmup}.")
     if sparsity == 0:
+        if args.video_attention_own_tile:
+            raise ConfigError(
+                "`video_attention_own_tile: true` keeps each query tile's own key tile among "
+                "the tiles sparse attention attends, but video_attention_sparsity is 0 (dense "
+                "attention, every tile attended). Set video_attention_sparsity (e.g. 0.8), or "
+                "leave video_attention_own_tile out.")
         return
     from trainer.checks.stage import _needs_of_the_data
     from trainer.models.family import CAPABILITIES

@@ -76,6 +76,10 @@ SECTIONS: dict[str, list[Arg]] = {
             "grid (after patching); its volume is the block of tokens selected as a whole. "
             "FlashAttention 4's block-sparse kernel runs 128-token tiles (2x8x8, 1x8x16, ...); "
             "another volume runs on SDPA with a token mask."),
+        Arg("video_attention_own_tile", "bool", False,
+            "With video_attention_sparsity > 0: each query tile always attends its own key "
+            "tile (a local window of one tile) and the highest-scoring others fill the rest of "
+            "its kept tiles, so the sparsity and the cost stay the same."),
         Arg("video_attention_sparsity_warmup_steps", "int", 0,
             "Steps over which the sparsity ramps linearly from dense to "
             "video_attention_sparsity (target x min(1, step / warmup steps)); 0: the target "

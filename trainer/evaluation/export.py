@@ -375,6 +375,7 @@ def _trained_sparse(args) -> dict[str, Any] | None:
         return None
     return {"trained_sparse": {
         **{key: args.get(key) for key in ("video_attention_sparsity", "video_attention_tile",
+                                          "video_attention_own_tile",
                                           "video_attention_sparsity_warmup_steps")},
         "note": "trained with sparse video self-attention (each query tile over its top-k key "
                 "tiles; docs/model.md): the weights are a dense model's, which diffusers and "

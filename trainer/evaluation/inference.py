@@ -148,8 +148,10 @@ def apply_attention(model: nn.Module, args: ResolvedArgs, attention: str) -> str
     if attention != "trained":
         set_video_attention_sparsity(model, 0.0, tile)
         return "dense"
-    set_video_attention_sparsity(model, sparsity, tile)
-    return f"sparse {sparsity:g}, tile {'x'.join(str(x) for x in tile)}"
+    own_tile = bool(args.get("video_attention_own_tile"))
+    set_video_attention_sparsity(model, sparsity, tile, own_tile)
+    return (f"sparse {sparsity:g}, tile {'x'.join(str(x) for x in tile)}"
+            + (", own tile" if own_tile else ""))
 
 
 def _latent_shape(args: ResolvedArgs) -> tuple[int, int, int, int]:

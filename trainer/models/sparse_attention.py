@@ -6,7 +6,8 @@ no padding. Blocks are `block` = t * h * w consecutive tokens of that order (an 
 hold parts of two neighbouring edge tiles; the last one may be short). For each query block and
 head, a coarse score against every key block, the dot product of the two blocks' mean q and mean
 k, picks the `keep` = max(1, round((1 - sparsity) * video key blocks)) best key blocks (as
-FastVideo's VSA does); attention then runs over exactly the chosen blocks. Key blocks that are not
+FastVideo's VSA does), or with `own_tile` the query block's own key block and the `keep` - 1
+best of the others; attention then runs over exactly the chosen blocks. Key blocks that are not
 wholly video (a short last block, and in the DiT the blocks holding caption keys, which come after
 the video's) are always attended.
 
@@ -44,10 +45,12 @@ FA4_BLOCK = 128  # FA4's SM90 tile: its block sparsity works in 128 x 128 blocks
 
 class SparseVideoSettings(NamedTuple):
     """What a module with sparse video attention runs with now: the fraction of video key
-    blocks each query block skips (0: the dense path) and the tile [t, h, w] in tokens."""
+    blocks each query block skips (0: the dense path), the tile [t, h, w] in tokens, and
+    whether each query block always keeps its own key block (within the same count)."""
 
     sparsity: float
     tile: tuple[int, int, int]
+    own_tile: bool = False
 
 
 def current_sparsity(target: float, warmup_steps: int, step: int) -> float:
@@ -62,11 +65,12 @@ def current_sparsity(target: float, warmup_steps: int, step: int) -> float:
 
 
 def set_video_attention_sparsity(model: torch.nn.Module, sparsity: float,
-                                 tile: tuple[int, int, int] | list[int]) -> int:
+                                 tile: tuple[int, int, int] | list[int],
+                                 own_tile: bool = False) -> int:
     """Set every module of `model` (a family's module, or one wrapped by peft) that has sparse
-    video attention (`supports_sparse_video_attention`) to run at `sparsity` with `tile`.
-    Returns how many were set."""
-    settings = SparseVideoSettings(float(sparsity), tuple(int(x) for x in tile))
+    video attention (`supports_sparse_video_attention`) to run at `sparsity` with `tile`
+    (and `own_tile`). Returns how many were set."""
+    settings = SparseVideoSettings(float(sparsity), tuple(int(x) for x in tile), bool(own_tile))
     count = 0
     for module in model.modules():
         if getattr(type(module), "supports_sparse_video_attention", False):
@@ -171,19 +175,23 @@ def _block_means(x: torch.Tensor, block: int) -> torch.Tensor:
 
 @torch.no_grad()
 def select_key_blocks(q: torch.Tensor, k: torch.Tensor, block: int, num_video: int,
-                      keep: torch.Tensor | int) -> torch.Tensor:
+                      keep: torch.Tensor | int, own_tile: bool = False) -> torch.Tensor:
     """bool [B, H, query blocks, key blocks]: the key blocks each query block attends to.
 
     q [B, Nq, H, D] (video queries, tile-major), k [B, Nk, H, D] (the first num_video keys the
     video's, tile-major, then any others). Of the num_video // block key blocks wholly of video,
     each query block and head takes the `keep` (an int or a 0-d tensor, so a compiled graph
     does not specialise on it) with the highest coarse score mean(q) . mean(k); every other key
-    block is always taken. Ties go to the lower block index."""
+    block is always taken. Ties go to the lower block index. own_tile: query block i ranks its
+    own key block i first (a local window of one tile inside the same `keep`)."""
     full = num_video // block
     nk = math.ceil(k.shape[1] / block)
     qm = _block_means(q, block)
     km = _block_means(k[:, :full * block], block) if full else qm[:, :, :0]
     scores = qm @ km.transpose(-1, -2)  # [B, H, nq, full]
+    if own_tile:  # tile-major on both sides: query block i and key block i are one tile
+        own = torch.eye(scores.shape[-2], full, dtype=torch.bool, device=q.device)
+        scores = scores.masked_fill(own, math.inf)
     order = scores.argsort(dim=-1, descending=True, stable=True)
     keep = torch.as_tensor(keep, device=q.device)
     ranked = (torch.arange(full, device=q.device) < keep).expand_as(order)
@@ -227,10 +235,11 @@ class SparseVideo(NamedTuple):
     num_video: int  # the video's tokens: the queries, and the first keys
     keep: torch.Tensor  # long 0-d: video key blocks each query block keeps
     key_lengths: torch.Tensor | None  # int32 [B]: keys used per sample (caption padding)
+    own_tile: bool = False  # each query block keeps its own key block
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of video queries q [B, N, H, D] (tile-major) over k, v [B, Nk, H, D]."""
-        chosen = select_key_blocks(q, k, self.block, self.num_video, self.keep)
+        chosen = select_key_blocks(q, k, self.block, self.num_video, self.keep, self.own_tile)
         if self.kernel == "fa4":
             fwd_count, fwd_index = _ordered(chosen)
             bwd_count, bwd_index = _ordered(chosen.transpose(-1, -2))
@@ -291,4 +300,5 @@ def sparse_video_plan(settings: SparseVideoSettings, backend: str, *, num_video:
     keep = torch.tensor(keep_for(settings.sparsity, max(candidates, 1)), device=device)
     if key_lengths is not None:
         key_lengths = key_lengths.to(device=device, dtype=torch.int32)
-    return AttentionPlan("sparse", None, SparseVideo(kernel, block, num_video, keep, key_lengths))
+    return AttentionPlan("sparse", None, SparseVideo(kernel, block, num_video, keep, key_lengths,
+                                                     settings.own_tile))
