@@ -38,7 +38,7 @@ def _rel(a, b):
 @pytest.mark.parametrize("own_tile", [False, True])
 def test_sparse_kernels_match_float32_attention_over_the_chosen_blocks(kernel, padded, own_tile):
     if kernel == "fa4" and not _runs_here("fa4", DEVICE, torch.bfloat16, 128):
-        pytest.skip("fa4 does not run here")
+        pytest.skip("FA4 (flash-attn-4 on an SM90+ GPU) is not installed or does not run here")
     blocks, text = 12, 40
     num_video = blocks * FA4_BLOCK
     q, k, v = _inputs(num_video, text)
