@@ -198,6 +198,36 @@ def test_context_parallel_attaches_to_every_block(pair):
     assert model.ulysses is ulysses and all(b.ulysses is ulysses for b in model.blocks)
 
 
+def test_a_wan_built_from_scratch_starts_adaln_zero_and_its_gates_open_as_it_trains():
+    from trainer.parallel.distributed import materialise
+
+    family = WanFamily()
+    config = family.config(TINY, {"zero_init_modulation": True})
+    x, t, text = _inputs()
+    torch.manual_seed(0)
+    model = family.build(config)
+    assert torch.count_nonzero(model(x, t, text)) == 0
+    with torch.device("meta"):  # the FSDP path: built on meta, initialised in place
+        sharded = family.build(config)
+    assert torch.count_nonzero(materialise(sharded, torch.device("cpu"))(x, t, text)) == 0
+    torch.manual_seed(0)
+    plain = family.build(family.config(TINY, {"zero_init_modulation": False}))
+    assert torch.count_nonzero(plain(x, t, text)) > 0
+
+    # flow-matching steps on one batch: the output head learns first, then the gates open
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gates = lambda: torch.stack([b.scale_shift_table[0, [2, 5]].abs().sum() for b in model.blocks])
+    for _ in range(3):
+        loss = (model(x, t, text) - torch.ones_like(x)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert torch.count_nonzero(model(x, t, text)) > 0
+    assert bool((gates() > 0).all())
+    with pytest.raises(ValueError, match="top-level"):
+        family.config({**TINY, "zero_init_modulation": False})
+
+
 def test_the_family_trains_through_pretrain(tmp_path):
     overrides = ("{num_attention_heads: 2, attention_head_dim: 8, num_layers: 2, ffn_dim: 32, "
                  "in_channels: 3, out_channels: 3, text_dim: 32, freq_dim: 32, "

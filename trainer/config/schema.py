@@ -58,9 +58,10 @@ SECTIONS: dict[str, list[Arg]] = {
             "causal_chunk_size, ...; docs/model.md). Nothing is read from a pretrained-model "
             "directory."),
         Arg("zero_init_modulation", "bool", True,
-            "adaLN-Zero: initialise every modulation gate and the output head to zero, so a new "
-            "model starts as the identity. Read by the dit family only (a wan model built from "
-            "scratch starts from PyTorch's default initialisation). Top-level only; never "
+            "adaLN-Zero for a model built from scratch: its modulation (dit: every block's "
+            "adaLN linear; wan: the time projection and every scale/shift/gate table) and its "
+            "output head start at zero, so the new model outputs exactly zero and its gated "
+            "branches open as it trains. Loaded weights replace it. Top-level only; never "
             "inside the overrides."),
         Arg("video_attention_sparsity", "float", 0.0,
             "Sparse video self-attention (docs/model.md, \"Sparse video attention\"): the "

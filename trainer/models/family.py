@@ -182,6 +182,9 @@ class ModelFamily(ABC):
         naming the closest valid key for an unknown one; does not validate values (`validate`)."""
         defaults = self.defaults()
         overrides = dict(overrides or {})
+        for key in sorted(set(self.settings_config({})) & set(overrides)):
+            raise ValueError(f"`{key}` is repeated inside transformer_config_overrides. It is a "
+                             f"top-level key only: move it out of the overrides")
         for key in overrides:
             if key not in defaults:
                 close = difflib.get_close_matches(key, list(defaults), n=1, cutoff=0.5)
@@ -192,7 +195,8 @@ class ModelFamily(ABC):
         return {**defaults, **overrides, **self.settings_config(settings or {})}
 
     def settings_config(self, settings: dict[str, Any]) -> dict[str, Any]:
-        """The config entries that come from top-level run settings rather than the overrides."""
+        """The config entries that come from top-level run settings rather than the overrides
+        (with `settings` empty: every such key, at its default)."""
         return {}
 
     def config_file(self, settings: dict[str, Any]) -> str | None:

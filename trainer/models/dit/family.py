@@ -33,13 +33,6 @@ class DiTFamily(RelayCausalFamily):
     def defaults(self) -> dict[str, Any]:
         return {k: v for k, v in MODEL_CONFIG_DEFAULTS.items() if k != "zero_init_modulation"}
 
-    def config(self, overrides, settings=None) -> dict[str, Any]:
-        if "zero_init_modulation" in (overrides or {}):
-            raise ValueError("`zero_init_modulation` is repeated inside "
-                             "transformer_config_overrides. It is a top-level key only: move it "
-                             "out of the overrides")
-        return super().config(overrides, settings)
-
     def settings_config(self, settings) -> dict[str, Any]:
         return {"zero_init_modulation": settings.get("zero_init_modulation", True)}
 

@@ -51,10 +51,12 @@ def _read_json(path: Path) -> Any:
 # Keys only the original Wan release (or ComfyUI's copy of it) has.
 _ORIGINAL_MARKERS = (".self_attn.", ".cross_attn.", "head.head.", "model.diffusion_model.")
 
-# attention_backend picks a kernel, not the math; time_gate and attn_window_chunks act only with
-# two_time and causal_chunk_size, which must keep their defaults (or go to the sampling file).
+# attention_backend picks a kernel, not the math; zero_init_modulation only how a new model
+# starts; time_gate and attn_window_chunks act only with two_time and causal_chunk_size, which
+# must keep their defaults (or go to the sampling file).
 DIFFUSERS_EXPORT = DiffusersExport(
-    class_name=DIFFUSERS_CLASS, ignored_keys=frozenset({"attention_backend", "time_gate"}),
+    class_name=DIFFUSERS_CLASS,
+    ignored_keys=frozenset({"attention_backend", "time_gate", "zero_init_modulation"}),
     check_components=_component_checks,
     sampling_keys=frozenset({"causal_chunk_size", "attn_window_chunks"}))
 
@@ -185,6 +187,11 @@ class WanFamily(RelayCausalFamily):
                 f"only relay's own keys, {', '.join(RELAY_KEYS)}, may differ).")
         directory.update({key: overrides[key] for key in RELAY_KEYS if key in overrides})
         return {**directory, **self.settings_config(settings)}
+
+    def settings_config(self, settings: dict[str, Any]) -> dict[str, Any]:
+        # adaLN-Zero for a model built from scratch (WanTransformer.zero_modulation); loaded
+        # weights replace it
+        return {"zero_init_modulation": settings.get("zero_init_modulation", True)}
 
     def config_file(self, settings: dict[str, Any]) -> str | None:
         path = settings.get("pretrained_transformer_path")

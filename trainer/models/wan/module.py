@@ -299,6 +299,8 @@ class WanTransformer(CausalForms, nn.Module):
         self.register_buffer("time_gate", torch.tensor(float(c["time_gate"])), persistent=False)
         # trainer.parallel.context_parallel.Ulysses when the video tokens are split over a cp group
         self.ulysses = None
+        if c.get("zero_init_modulation"):
+            self.zero_modulation()
 
     # ---- the protocol's hooks (trainer.models.protocol) -------------------------------------
 
@@ -344,6 +346,21 @@ class WanTransformer(CausalForms, nn.Module):
             if self.condition_embedder.time_embedder_r is not None:
                 self.init_second_time_from_first()
             self.time_gate.fill_(float(self._config["time_gate"]))
+        if self._config.get("zero_init_modulation"):
+            self.zero_modulation()
+
+    def zero_modulation(self) -> None:
+        """adaLN-Zero for a model trained from scratch (the run's `zero_init_modulation`): the
+        time projection, every scale/shift/gate table and the output projection start at zero,
+        so the output is exactly zero and every gated branch (self-attention, FFN) adds nothing
+        until training opens its gate. The caption's cross-attention, which Wan does not gate,
+        runs from the start."""
+        with torch.no_grad():
+            for layer in (self.condition_embedder.time_proj, self.proj_out):
+                layer.weight.zero_()
+                layer.bias.zero_()
+            for table in (self.scale_shift_table, *(b.scale_shift_table for b in self.blocks)):
+                table.zero_()
 
     def init_second_time_from_first(self) -> None:
         """E_r := E_t (docs/algorithms.md, "Two-time model"), so e(t, t) = e_t right after: the
