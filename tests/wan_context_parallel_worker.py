@@ -18,6 +18,9 @@ from trainer.models.wan.family import WanFamily
 from trainer.parallel.context_parallel import attach
 from trainer.parallel.distributed import destroy
 
+# a model built at random, as a trained one looks (zero_init_modulation would zero its output)
+RANDOM = {"zero_init_modulation": False}
+
 TINY = {"patch_size": [1, 2, 2], "num_attention_heads": 4, "attention_head_dim": 8,
         "in_channels": 4, "out_channels": 4, "text_dim": 16, "freq_dim": 32, "ffn_dim": 32,
         "num_layers": 2}
@@ -26,7 +29,7 @@ TINY = {"patch_size": [1, 2, 2], "num_attention_heads": 4, "attention_head_dim":
 def model(**extra):
     torch.manual_seed(0)
     family = WanFamily()
-    return family.build(family.config({**TINY, **extra})).double()
+    return family.build(family.config({**TINY, **extra}, RANDOM)).double()
 
 
 def tokens_seen(m) -> list[int]:

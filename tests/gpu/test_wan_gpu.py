@@ -8,6 +8,9 @@ import torch
 
 from trainer.models.wan.family import WanFamily
 
+# a model built at random, as a trained one looks (zero_init_modulation would zero its output)
+RANDOM = {"zero_init_modulation": False}
+
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
 # head_dim 128 as every Wan checkpoint (the FA4/flash kernels' shape), small otherwise
@@ -73,7 +76,8 @@ def _causal(**extra):
     """The same small Wan, causal (chunks of 2 latent frames) and two-time, on the GPU."""
     family = WanFamily()
     torch.manual_seed(0)
-    config = family.config({**CONFIG, "causal_chunk_size": 2, "two_time": True, **extra})
+    config = family.config({**CONFIG, "causal_chunk_size": 2, "two_time": True, **extra},
+                           RANDOM)
     return family.build(config).to(DEVICE).eval()
 
 
