@@ -182,9 +182,11 @@ class ModelFamily(ABC):
         naming the closest valid key for an unknown one; does not validate values (`validate`)."""
         defaults = self.defaults()
         overrides = dict(overrides or {})
-        for key in sorted(set(self.settings_config({})) & set(overrides)):
-            raise ValueError(f"`{key}` is repeated inside transformer_config_overrides. It is a "
-                             f"top-level key only: move it out of the overrides")
+        repeated = sorted(set(self.settings_config({})) & set(overrides))
+        if repeated:
+            raise ValueError(f"`{'`, `'.join(repeated)}` is repeated inside "
+                             f"transformer_config_overrides. It is a top-level key only: move it "
+                             f"out of the overrides")
         for key in overrides:
             if key not in defaults:
                 close = difflib.get_close_matches(key, list(defaults), n=1, cutoff=0.5)
