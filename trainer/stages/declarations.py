@@ -122,8 +122,8 @@ class TFAnyFlow(StageDeclaration):
             raise ConfigError(
                 "anyflow_teacher_context: causal says what the guidance teacher sees, and this "
                 "run has none (it needs anyflow_guidance_reference: teacher and "
-                "anyflow_fuse_guidance_scale != 1). Set those, or remove "
-                "anyflow_teacher_context.")
+                "anyflow_fuse_guidance_scale != 1). Set those, or set anyflow_teacher_context: "
+                "clip (--anyflow_teacher_context clip where a config file sets causal).")
         if args.flowmap_sampling_steps < 1:
             raise ConfigError(f"`flowmap_sampling_steps` must be at least 1, got "
                               f"{args.flowmap_sampling_steps}.")
