@@ -353,7 +353,9 @@ def run(ns: argparse.Namespace) -> dict:
     out = Path(ns.out) if ns.out else root / "quality"
     out.mkdir(parents=True, exist_ok=True)
     result = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-              "pipeline": str(pipeline), "root": str(root), "captions": ns.captions,
+              # what trained the root; scoring alone reads only the stage directories
+              "pipeline": str(pipeline) if ns.train else None, "root": str(root),
+              "captions": ns.captions,
               "seed": ns.seed, "seed_shift": ns.seed_shift, "versions": versions(device), "rows": rows}
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     table = results_markdown(rows)
@@ -374,7 +376,8 @@ def main(argv=None) -> int:
                    help="least time of one forward pass of one layer (launch-bound small models)")
     p = sub.add_parser("run", help="evaluate (and with --train first train) a pipeline root")
     p.add_argument("--root", required=True, help="the pipeline root holding sft/, stage1/, stage2/")
-    p.add_argument("--pipeline", default="config/pipeline/bench.yaml")
+    p.add_argument("--pipeline", default="config/pipeline/bench.yaml",
+                   help="the pipeline --train trains (recorded in results.json when it does)")
     p.add_argument("--train", action="store_true", help="train the pipeline into ROOT first")
     p.add_argument("--toy", action="store_true", help="a CPU-sized pipeline (smoke test)")
     p.add_argument("--captions", type=int, default=64, help="evaluation captions (at most 64)")

@@ -84,6 +84,7 @@ def test_one_command_trains_the_toy_benchmark_and_writes_the_results_table(tmp_p
         expected = 2 * row["steps"] if row["stage"] == "sft" else row["steps"] + 1
         assert row["nfe"] == pytest.approx(expected), row
     assert result["versions"]["torch"] and "quality.py" in result["command"]
+    assert result["pipeline"] == str(root.resolve() / "pipeline.yaml")  # the toy copy it trained
     table = (root / "quality" / "results.md").read_text()
     assert table.count("| sft |") == 5 and table.count("| stage2 |") == 3
     # relay eval of a benchmark checkpoint uses the benchmark's captions and checker.
@@ -165,3 +166,9 @@ def test_the_sparse_bench_scores_a_dense_and_a_sparse_fine_tune_of_one_teacher(t
                            "--stages", "sft,stage1"], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode != 0 and "no stage directory" in proc.stderr
+    # Scoring a trained root alone names no pipeline: it reads only the stage directories.
+    proc = subprocess.run([sys.executable, "benchmarks/quality.py", "run", "--root", str(root),
+                           "--stages", "sft", "--captions", "1", "--out", str(tmp_path / "score")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "score" / "results.json").read_text())["pipeline"] is None
