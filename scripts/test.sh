@@ -7,4 +7,6 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 bash scripts/setup.sh
 bash slurm/local/start.sh
-exec .venv/bin/python -m pytest "$@"
+# Two workers (RELAY_TEST_WORKERS): much of the suite waits on child processes and Slurm rather
+# than computing, so two cores finish it sooner; the Slurm tests share one worker (conftest.py).
+exec .venv/bin/python -m pytest -n "${RELAY_TEST_WORKERS:-2}" --dist loadgroup "$@"

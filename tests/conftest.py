@@ -34,6 +34,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slurm_cluster" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("slurm"):
             item.add_marker(pytest.mark.slurm)
+        # Under `pytest -n N --dist loadgroup` (scripts/test.sh) the cluster's tests run in one
+        # worker, one after another: they share its one node and their time limits assume it free.
+        if item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
     # `gpu` tests skip where CUDA is missing, so the whole suite runs anywhere and a GPU machine
     # runs exactly them with `pytest -m gpu`. torch is imported only when one was collected.
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
