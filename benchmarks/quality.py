@@ -3,6 +3,7 @@
     python benchmarks/quality.py plan [--pipeline config/pipeline/bench.yaml]
     python benchmarks/quality.py run --root runs/bench [--train] [--toy] [--captions 64] \
         [--pipeline config/pipeline/bench.yaml] [--seed-shift 20]
+    python benchmarks/quality.py goals runs/bench runs/bench-s20 [--stage1 NAMES] [--stage2 NAMES]
 
 `plan` sizes the pipeline by arithmetic (no GPU, no torch): per stage the video tokens, the
 forward passes and counted FLOPs of one step (benchmarks/flops.py), and the step time they
@@ -20,6 +21,10 @@ evaluations per clip (measured: video tokens through the first block over the cl
 so a CFG pair counts 2 and a cached causal chunk its share) and wall time per clip. Writes
 ROOT/quality/results.json (with versions, machine, command) and results.md (the table for
 docs/stages.md).
+
+`goals` checks the benchmark's goals (benchmarks/quality_goals.py) on one results.json per
+seed: each run's gap to its own teacher and their mean. `run` appends the same table to
+results.md when it scored a student.
 
 --seed-shift N trains on other draws: every stage's training and data seed moved by N (the
 derived pipeline is written to ROOT/pipeline.yaml). --toy swaps in a CPU-sized copy of the
@@ -42,6 +47,7 @@ if str(REPO) not in sys.path:  # `python benchmarks/quality.py`: make the reposi
     sys.path.insert(0, str(REPO))
 
 from benchmarks.flops import stage_step_flops_of  # noqa: E402
+from benchmarks.quality_goals import check, goals_markdown, load  # noqa: E402
 
 TEACHER_STEPS = (1, 2, 4, 8, 50)
 STUDENT_STEPS = (1, 2, 4)
@@ -359,6 +365,9 @@ def run(ns: argparse.Namespace) -> dict:
               "seed": ns.seed, "seed_shift": ns.seed_shift, "versions": versions(device), "rows": rows}
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     table = results_markdown(rows)
+    if any(r["stage"] in ("stage1", "stage2") for r in rows):  # the goals need a student
+        table += "\n" + goals_markdown(check([(str(out / "results.json"), result)],
+                                              {"stage1": ["stage1"], "stage2": ["stage2"]}))
     (out / "results.md").write_text(f"`{result['command']}` on {versions(device)}\n\n{table}")
     print(table)
     return result
@@ -392,12 +401,23 @@ def main(argv=None) -> int:
                         "--train: the benchmark on other draws; ROOT/pipeline.yaml says which)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--out", default=None, help="default: ROOT/quality")
+    p = sub.add_parser("goals", help="check the benchmark's goals on results of `run` "
+                                     "(per run and the mean over runs)")
+    p.add_argument("results", nargs="+",
+                   help="results.json files of `run` (or the roots they scored), one per seed")
+    p.add_argument("--stage1", type=lambda text: text.split(","), default=["stage1"],
+                   help="the stage directories scored as Stage1 (comma-separated; default stage1)")
+    p.add_argument("--stage2", type=lambda text: text.split(","), default=["stage2"],
+                   help="the stage directories scored as Stage2 (comma-separated; default stage2)")
     ns = parser.parse_args(argv)
     if getattr(ns, "seed_shift", 0) < 0:
         parser.error(f"--seed-shift must be >= 0 (it is added to every stage's seed, and seeds "
                      f"are not negative), got {ns.seed_shift}; pick e.g. 20")
     if ns.command == "plan":
         print(plan_markdown(plan(ns.pipeline, ns.tflops, ns.pass_floor_ms / 1e3)), end="")
+    elif ns.command == "goals":
+        print(goals_markdown(check(load(ns.results), {"stage1": ns.stage1, "stage2": ns.stage2})),
+              end="")
     else:
         run(ns)
     return 0
