@@ -366,7 +366,7 @@ def run(ns: argparse.Namespace) -> dict:
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     table = results_markdown(rows)
     if any(r["stage"] in ("stage1", "stage2") for r in rows):  # the goals need a student
-        table += "\n" + goals_markdown(check([(str(out / "results.json"), result)],
+        table += "\n" + goals_markdown(check([(str(root), result)],
                                               {"stage1": ["stage1"], "stage2": ["stage2"]}))
     (out / "results.md").write_text(f"`{result['command']}` on {versions(device)}\n\n{table}")
     print(table)
