@@ -47,7 +47,7 @@ if str(REPO) not in sys.path:  # `python benchmarks/quality.py`: make the reposi
     sys.path.insert(0, str(REPO))
 
 from benchmarks.flops import stage_step_flops_of  # noqa: E402
-from benchmarks.quality_goals import check, goals_markdown, load  # noqa: E402
+from benchmarks.quality_goals import check, goals_markdown, load, unknown_stages  # noqa: E402
 
 TEACHER_STEPS = (1, 2, 4, 8, 50)
 STUDENT_STEPS = (1, 2, 4)
@@ -416,8 +416,14 @@ def main(argv=None) -> int:
     if ns.command == "plan":
         print(plan_markdown(plan(ns.pipeline, ns.tflops, ns.pass_floor_ms / 1e3)), end="")
     elif ns.command == "goals":
-        print(goals_markdown(check(load(ns.results), {"stage1": ns.stage1, "stage2": ns.stage2})),
-              end="")
+        results = load(ns.results)
+        # The defaults name the standard layout (absent: `not scored`); a name given is expected.
+        given = [n for n in ns.stage1 + ns.stage2 if n not in ("stage1", "stage2")]
+        if missing := unknown_stages(results, given):
+            scored = sorted({r["stage"] for _, result in results for r in result["rows"]})
+            parser.error(f"no results file scored {', '.join(missing)}; the files hold "
+                         f"{', '.join(scored)} (--stage1 / --stage2 take those names)")
+        print(goals_markdown(check(results, {"stage1": ns.stage1, "stage2": ns.stage2})), end="")
     else:
         run(ns)
     return 0

@@ -94,6 +94,12 @@ def check(results: list[tuple[str, dict]], stage_names: dict[str, list[str]]) ->
     return checked
 
 
+def unknown_stages(results: list[tuple[str, dict]], names: list[str]) -> list[str]:
+    """The names no results file scored a row of: a misspelt --stage1 / --stage2."""
+    scored = {r["stage"] for _, result in results for r in result["rows"]}
+    return [name for name in names if name not in scored]
+
+
 def goals_markdown(checked: list[dict]) -> str:
     lines = ["| goal | target | run | value | verdict |", "| --- | --- | --- | --- | --- |"]
     for entry in checked:

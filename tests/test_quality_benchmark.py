@@ -99,6 +99,12 @@ def test_goals_of_a_missing_results_file_say_what_to_give():
     proc = _goals("/nonexistent/root")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "/nonexistent/root is not a results file" in proc.stderr
+    # A misspelt stage name is refused with the names the file holds, not read as "not scored".
+    proc = _goals("benchmarks/results/stage1-teacher-context-h100/causal.json",
+                  "--stage1", "stage1_causal,stage1_casual_s32")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "no results file scored stage1_casual_s32" in proc.stderr
+    assert "stage1_causal, stage1_causal_s32" in proc.stderr
     proc = _goals(str(REPO / "benchmarks"))  # a directory without results
     assert proc.returncode != 0 and "benchmarks/results.json is not a results file" in proc.stderr
 
