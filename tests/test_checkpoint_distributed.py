@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,16 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from fixtures.ports import free_port
 
 from trainer.checkpoint.store import ModelMember, load_checkpoint
 
 WORKER = Path(__file__).resolve().parent / "checkpoint_worker.py"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def torchrun(phase: str, out: Path) -> list[dict]:

@@ -2,21 +2,15 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from fixtures.fastvideo_t2v import write_fastvideo_dataset
+from fixtures.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize("world, cp", [(2, 1), (4, 2)])
@@ -27,7 +21,7 @@ def test_ranks_read_each_sample_once_per_epoch_and_a_cp_group_reads_the_same(tmp
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-         "--master_port", str(_free_port()), str(ROOT / "tests" / "data_rank_worker.py"),
+         "--master_port", str(free_port()), str(ROOT / "tests" / "data_rank_worker.py"),
          str(data), str(out), str(cp)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]

@@ -197,15 +197,12 @@ def _sharded_rollout(rank: int, world: int, port: int, cp: int) -> None:
 
 @pytest.mark.parametrize("world, cp", [(2, 1), (4, 2)], ids=["dp2", "dp2xcp2"])
 def test_sharded_ranks_whose_packs_hold_fewer_chunks_keep_pace_and_roll_out_exactly(world, cp):
-    import socket
     import time
 
     import torch.multiprocessing as mp
+    from fixtures.ports import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = mp.spawn(_sharded_rollout, args=(world, port, cp), nprocs=world, join=False)
+    context = mp.spawn(_sharded_rollout, args=(world, free_port(), cp), nprocs=world, join=False)
     deadline = time.monotonic() + 240
     while not context.join(timeout=5):  # raises when a rank failed
         if time.monotonic() > deadline:  # a rank waits in a forward the other never runs

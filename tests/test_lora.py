@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from fixtures.ports import free_port
 
 from trainer.checkpoint.dcp_io import read_dcp_tensor_shapes
 from trainer.resolve import resolve_config
@@ -40,12 +40,6 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _argv(root: Path, base: Path, out: Path, *extra: str) -> list[str]:
     return ["--config", "config/tiny/pretrain.yaml", "--model_family", "wan",
             "--pretrained_transformer_path", str(base), "--load_transformer_weights", "true",
@@ -63,7 +57,7 @@ def _train(argv: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "trainer/train.py", *argv]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(_free_port()), "trainer/train.py", *argv]
+               "--master_port", str(free_port()), "trainer/train.py", *argv]
     return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
 
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from fixtures.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 # Fits the embedded synthetic data: 3-channel 16x16 frames, 32-wide captions.
@@ -35,16 +35,10 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _ranks(nproc: int, script: str, *argv: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, script, *argv] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), script, *argv]
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, *argv]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc

@@ -4,7 +4,6 @@ what it writes is what one process writes."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,16 +15,11 @@ import torch
 pytest.importorskip("diffusers", reason="needs the encode extra")
 
 from fixtures.fastvideo_t2v import write_fastvideo_dataset
+from fixtures.ports import free_port
 from fixtures.tiny_encoders import save_vae
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "validation_worker.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _validate(ranks: int, data: Path, vae: Path, out: Path) -> list[dict]:
@@ -36,7 +30,7 @@ def _validate(ranks: int, data: Path, vae: Path, out: Path) -> list[dict]:
         env.pop(key, None)
     launch = [sys.executable] if ranks == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
-        str(ranks), "--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+        str(ranks), "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
     proc = subprocess.run([*launch, str(WORKER), str(data), str(vae), str(out)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures.ports import free_port
 
 from trainer.models.wan.family import WanFamily
 
@@ -251,7 +252,7 @@ def test_packed_teacher_forcing_and_the_packed_rollout_equal_each_sample_alone()
 def test_every_forward_at_cp2_equals_the_unsplit_model(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-         "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+         "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
          str(ROOT / "tests" / "wan_context_parallel_worker.py"), str(tmp_path)],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -266,14 +267,6 @@ def test_every_forward_at_cp2_equals_the_unsplit_model(tmp_path):
                 assert diff["grad"] < 1e-12 * diff["grad_scale"], (case, diff)
             # a real split: a rank's blocks held half the video tokens (a pack padded to split)
             assert diff["tokens"]["split"] == -(-diff["tokens"]["whole"] // 2), case
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _env():

@@ -22,7 +22,8 @@ import sys
 
 import pytest
 from fixtures.fastvideo_t2v import write_fastvideo_dataset
-from test_distributed_fsdp import (MODEL, REPO, STAGE1_MODEL, STAGE2_MODEL, _env, _free_port,
+from fixtures.ports import free_port
+from test_distributed_fsdp import (MODEL, REPO, STAGE1_MODEL, STAGE2_MODEL, _env,
                                    assert_same_trajectory, records, train)
 
 from trainer.checkpoint.layout import read_complete
@@ -32,7 +33,7 @@ from trainer.checkpoint.layout import read_complete
 def test_every_forward_of_the_model_matches_the_unsplit_model(tmp_path, ranks):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
-         str(ranks), "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+         str(ranks), "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
          str(REPO / "tests" / "context_parallel_worker.py"), str(tmp_path)],
         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -183,7 +184,7 @@ def test_a_cp_split_that_cannot_work_is_refused_before_a_model_exists(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-         "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+         "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
          str(REPO / "trainer" / "train.py"), "--config", str(REPO / "config/tiny/pretrain.yaml"),
          "--data_path", str(tmp_path / "data"), "--output_dir", str(out), "--cp_size", "2",
          "--synthetic_height", "12", "--synthetic_width", "12"],

@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from fixtures.ports import free_port
 
 from trainer.checkpoint.layout import read_complete
 
@@ -33,12 +33,6 @@ RTOL = 1e-4
 def _pythonpath() -> str:
     """This checkout first, then whatever the caller's environment already had."""
     return os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _env() -> dict[str, str]:
@@ -61,7 +55,7 @@ def train(out: Path, data: Path, ranks: int, *extra: str, config: str = "pretrai
     script = str(REPO / "trainer" / "train.py")
     launcher = [sys.executable, script] if ranks == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
-        str(ranks), "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), script]
+        str(ranks), "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script]
     proc = subprocess.run(launcher + args, cwd=REPO, env=_env(), capture_output=True, text=True,
                           timeout=timeout)
     errors = [line for line in proc.stderr.splitlines() if "Error" in line or "ERROR" in line]

@@ -9,14 +9,15 @@ import subprocess
 import sys
 
 import pytest
-from test_distributed_fsdp import REPO, _free_port, _pythonpath
+from fixtures.ports import free_port
+from test_distributed_fsdp import REPO, _pythonpath
 
 @pytest.mark.parametrize("ranks, replicas", [(2, 1), (4, 2)])
 def test_sharded_muon_matches_unsharded_and_splits_the_matrices(tmp_path, ranks, replicas):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": _pythonpath()}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
-         str(ranks), "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+         str(ranks), "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
          str(REPO / "tests" / "muon_worker.py"), str(tmp_path), str(replicas)],
         env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -9,29 +9,23 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from fixtures.ports import free_port
 
 from trainer.checkpoint.layout import list_checkpoints, validate_checkpoint
 
 WORKER = Path(__file__).resolve().parent / "save_failure_worker.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_a_save_failing_on_rank_1_raises_the_same_error_on_both_ranks_and_publishes_nothing(
         tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                             "2", "--master_port", str(_free_port()), str(WORKER), str(tmp_path)],
+                             "2", "--master_port", str(free_port()), str(WORKER), str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         output, _ = proc.communicate(timeout=120)

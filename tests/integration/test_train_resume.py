@@ -14,13 +14,13 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from fixtures.ports import free_port
 
 from trainer.checkpoint.layout import (
     COMPLETE_FILE,
@@ -104,12 +104,6 @@ def _assert_all_checkpoints_valid(out: Path) -> None:
     for path in list_checkpoints(out):
         validate_checkpoint(path)
     assert json.loads((out / "run-result.json").read_text())["status"] == "completed"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,7 +334,7 @@ def test_restart_with_a_lower_learning_rate_trains_on_at_it_and_says_so(tiny_tra
 def _torchrun(tiny_trainer, out: Path, log: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(_free_port()), str(REPO / "trainer" / "train.py"),
+               "--master_port", str(free_port()), str(REPO / "trainer" / "train.py"),
                *tiny_trainer.args(out)]
     with open(log, "ab") as handle:
         return subprocess.Popen(command, cwd=REPO, env=tiny_trainer.env(), stdout=handle,
