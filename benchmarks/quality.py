@@ -353,24 +353,50 @@ def run(ns: argparse.Namespace) -> dict:
         raise SystemExit(f"quality: no stage directory {', '.join(str(root / s) for s in missing)}"
                          f" (--stages names directories of --root {root}; train them first, or "
                          f"leave them out of --stages)")
-    rows = []
-    for stage in ns.stages:
-        rows += evaluate_stage(root / stage, captions=ns.captions, seed=ns.seed, device=device)
+    _check_checkpoints(root, ns.stages)
     out = Path(ns.out) if ns.out else root / "quality"
     out.mkdir(parents=True, exist_ok=True)
     result = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
               # what trained the root; scoring alone reads only the stage directories
               "pipeline": str(pipeline) if ns.train else None, "root": str(root),
-              "captions": ns.captions,
-              "seed": ns.seed, "seed_shift": ns.seed_shift, "versions": versions(device), "rows": rows}
+              "captions": ns.captions, "seed": ns.seed, "seed_shift": ns.seed_shift,
+              "versions": versions(device), "rows": [], "not_yet_scored": list(ns.stages)}
+    # Written after every stage: an evaluation cut short (a time limit, a lost machine) keeps
+    # the stages it scored, and not_yet_scored says which are missing.
+    table = ""
+    for stage in ns.stages:
+        result["rows"] += evaluate_stage(root / stage, captions=ns.captions, seed=ns.seed,
+                                         device=device)
+        result["not_yet_scored"].remove(stage)
+        table = _write_results(out, result, root)
+    print(table)
+    return result
+
+
+def _check_checkpoints(root: Path, stages: list[str]) -> None:
+    """Every stage to score holds a complete checkpoint, checked before any is scored."""
+    from trainer.evaluation.inference import InferenceError, resolve_checkpoint_dir
+
+    for stage in stages:
+        try:
+            resolve_checkpoint_dir(root / stage)
+        except InferenceError as error:
+            raise SystemExit(f"quality: {error}") from None
+
+
+def _write_results(out: Path, result: dict, root: Path) -> str:
+    """results.json and results.md (the table, and the goals once a student is scored)."""
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    rows = result["rows"]
     table = results_markdown(rows)
     if any(r["stage"] in ("stage1", "stage2") for r in rows):  # the goals need a student
         table += "\n" + goals_markdown(check([(str(root), result)],
                                               {"stage1": ["stage1"], "stage2": ["stage2"]}))
-    (out / "results.md").write_text(f"`{result['command']}` on {versions(device)}\n\n{table}")
-    print(table)
-    return result
+    pending = (f"\nNot yet scored: {', '.join(result['not_yet_scored'])}.\n"
+               if result["not_yet_scored"] else "")
+    (out / "results.md").write_text(f"`{result['command']}` on {result['versions']}\n\n"
+                                    f"{table}{pending}")
+    return table
 
 
 def main(argv=None) -> int:

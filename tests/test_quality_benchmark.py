@@ -199,7 +199,8 @@ def test_a_seed_shift_moves_every_training_and_data_seed_and_nothing_else(tmp_pa
 
 
 @pytest.mark.timeout(900)
-def test_the_sparse_bench_scores_a_dense_and_a_sparse_fine_tune_of_one_teacher(tmp_path):
+def test_the_sparse_bench_scores_a_dense_and_a_sparse_fine_tune_of_one_teacher(tmp_path,
+                                                                                 monkeypatch):
     root = tmp_path / "bench-sparse"
     proc = subprocess.run([sys.executable, "benchmarks/quality.py", "run", "--train", "--toy",
                            "--pipeline", "config/pipeline/bench-sparse.yaml", "--root", str(root),
@@ -234,3 +235,34 @@ def test_the_sparse_bench_scores_a_dense_and_a_sparse_fine_tune_of_one_teacher(t
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / "score" / "results.json").read_text())["pipeline"] is None
+    # A stage directory without a complete checkpoint is refused before any stage is scored.
+    (root / "untrained").mkdir()
+    proc = subprocess.run([sys.executable, "benchmarks/quality.py", "run", "--root", str(root),
+                           "--stages", "sft,untrained", "--out", str(tmp_path / "refused")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "untrained holds no complete checkpoint" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "refused").exists()
+
+    # An evaluation cut short (the machine is lost, or the time limit hits, while the second
+    # stage is scored) leaves the first stage's rows on disk and says which stage is missing.
+    class MachineLost(Exception):
+        pass
+
+    scored = []
+
+    def lost_during_the_second(stage_dir, **kwargs):
+        if scored:
+            raise MachineLost
+        scored.append(stage_dir.name)
+        return evaluate_stage(stage_dir, **kwargs)
+
+    evaluate_stage = quality.evaluate_stage
+    monkeypatch.setattr(quality, "evaluate_stage", lost_during_the_second)
+    out = tmp_path / "cut"
+    with pytest.raises(MachineLost):
+        quality.main(["run", "--root", str(root), "--stages", "sft,sft_sparse", "--captions", "1",
+                      "--out", str(out), "--device", "cpu"])
+    result = json.loads((out / "results.json").read_text())
+    assert {r["stage"] for r in result["rows"]} == {"sft"} and len(result["rows"]) == 5
+    assert result["not_yet_scored"] == ["sft_sparse"]
+    assert (out / "results.md").read_text().endswith("Not yet scored: sft_sparse.\n")
