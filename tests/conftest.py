@@ -38,6 +38,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # worker, one after another: they share its one node and their time limits assume it free.
         if item.get_closest_marker("slurm"):
             item.add_marker(pytest.mark.xdist_group("slurm"))
+        # A module-scoped fixture (a trained chain, a saved model) is built once per worker that
+        # runs one of its tests: keeping the module's tests together builds it once.
+        elif _uses_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     # `gpu` tests skip where CUDA is missing, so the whole suite runs anywhere and a GPU machine
     # runs exactly them with `pytest -m gpu`. torch is imported only when one was collected.
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
@@ -48,6 +52,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             skip = pytest.mark.skip(reason="needs a CUDA device (run `pytest -m gpu` on a GPU machine)")
             for item in gpu_items:
                 item.add_marker(skip)
+
+
+def _uses_a_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(
+        definition.scope == "module"
+        for definitions in info.name2fixturedefs.values() for definition in definitions)
 
 
 @dataclass(frozen=True)
