@@ -29,6 +29,9 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# tryfirst: xdist's worker reads the xdist_group marks in this same hook, so they must be
+# on the items before it runs (otherwise the groups below are silently ignored).
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # A test that uses the cluster is a `slurm` test, marked or not (so `-m "not slurm"` works).
     for item in items:
